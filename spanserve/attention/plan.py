@@ -1,0 +1,50 @@
+"""Per-step attention metadata: plain data handed from the model runner to a backend."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Row:
+    """One attention problem: a contiguous slice of the step's tokens (the queries) over one
+    key table. A request's main sequence is a row; so is each standalone segment being encoded.
+
+    Positions are in the row's own space (logical positions for a request, local positions for a
+    segment unit). A query at position t sees key k when `k < anchor_end or seg_start <= k <= t`;
+    causal rows leave both None (anchor_end = seg_start = 0)."""
+
+    q_start: int
+    q_end: int
+    q_pos: torch.Tensor  # [nq] long
+    key_slots: torch.Tensor  # [N] long, flat slot of each key in position order
+    key_delta: torch.Tensor | None = None  # [N] long; None when all zero
+    anchor_end: torch.Tensor | None = None  # [nq] long
+    seg_start: torch.Tensor | None = None  # [nq] long
+
+    @property
+    def num_queries(self) -> int:
+        return self.q_end - self.q_start
+
+    @property
+    def num_keys(self) -> int:
+        return int(self.key_slots.numel())
+
+
+@dataclass
+class AttentionPlan:
+    rows: list[Row]
+    positions: torch.Tensor  # [T] long: RoPE position of each token (its local position where its KV is stored)
+    write_slots: torch.Tensor  # [T] long: flat slot each token's K/V is written to
+
+    def visible(self, row: Row) -> torch.Tensor:
+        """Boolean [nq, N] mask of which keys each query of `row` sees."""
+        k = torch.arange(row.num_keys, device=row.q_pos.device)[None, :]
+        t = row.q_pos[:, None]
+        mask = k <= t
+        if row.seg_start is not None:
+            mask &= k >= row.seg_start[:, None]
+        if row.anchor_end is not None:
+            mask |= k < row.anchor_end[:, None]
+        return mask

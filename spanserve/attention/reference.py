@@ -1,0 +1,91 @@
+"""Reference backend: gather keys through the block table, rotate by delta, SDPA with a mask.
+
+Runs anywhere PyTorch runs; it is the CPU path and the oracle the GPU kernels are tested against."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from spanserve.attention.backend import AttentionBackend
+from spanserve.attention.plan import AttentionPlan
+from spanserve.model.layers import Rotary, apply_rotary
+
+
+@dataclass
+class _Group:
+    """Rows attended in one SDPA call: queries [B, nq] padded, keys [B, N] padded."""
+
+    q_index: torch.Tensor  # [B, nq] flat token index (padding points at token 0, masked off)
+    q_valid: torch.Tensor  # [B, nq] bool
+    slots: torch.Tensor  # [B, N]
+    mask: torch.Tensor  # [B, nq, N] bool
+    cos: torch.Tensor | None  # [B, N, D] rotation of cached keys by their entry's delta
+    sin: torch.Tensor | None
+
+
+@dataclass
+class _Prepared:
+    write_slots: torch.Tensor
+    groups: list[_Group]
+
+
+class ReferenceBackend(AttentionBackend):
+    def prepare(self, plan: AttentionPlan, rotary: Rotary, block_size: int) -> _Prepared:
+        # Single-query rows (decodes) share one padded call; each prefill row gets its own so a
+        # long chunk never pads a batch of decodes up to its length.
+        decodes = [r for r in plan.rows if r.num_queries == 1]
+        groups = [self._group([r], plan, rotary) for r in plan.rows if r.num_queries > 1]
+        if decodes:
+            groups.append(self._group(decodes, plan, rotary))
+        return _Prepared(plan.write_slots, groups)
+
+    def _group(self, rows, plan: AttentionPlan, rotary: Rotary) -> _Group:
+        dev = plan.positions.device
+        B, nq, N = len(rows), max(r.num_queries for r in rows), max(r.num_keys for r in rows)
+        q_index = torch.zeros(B, nq, dtype=torch.long, device=dev)
+        q_valid = torch.zeros(B, nq, dtype=torch.bool, device=dev)
+        slots = torch.zeros(B, N, dtype=torch.long, device=dev)
+        mask = torch.zeros(B, nq, N, dtype=torch.bool, device=dev)
+        deltas = torch.zeros(B, N, dtype=torch.long, device=dev)
+        any_delta = False
+        for b, r in enumerate(rows):
+            q_index[b, : r.num_queries] = torch.arange(r.q_start, r.q_end, device=dev)
+            q_valid[b, : r.num_queries] = True
+            slots[b, : r.num_keys] = r.key_slots
+            mask[b, : r.num_queries, : r.num_keys] = plan.visible(r)
+            if r.key_delta is not None:
+                deltas[b, : r.num_keys] = r.key_delta
+                any_delta = True
+        mask[~q_valid] = False
+        mask[~q_valid, 0] = True  # padded queries see one key so softmax stays finite
+        cos = sin = None
+        if any_delta:
+            cos, sin = rotary.cos_sin(deltas.flatten(), torch.float32)
+            cos, sin = cos.view(B, N, -1), sin.view(B, N, -1)
+        return _Group(q_index, q_valid, slots, mask, cos, sin)
+
+    def forward(self, prepared: _Prepared, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        T, H, D = q.shape
+        KVH = k.shape[1]
+        g = H // KVH
+        k_flat = k_cache.view(-1, KVH, D)
+        v_flat = v_cache.view(-1, KVH, D)
+        k_flat[prepared.write_slots] = k
+        v_flat[prepared.write_slots] = v
+        out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
+        for grp in prepared.groups:
+            B, nq = grp.q_index.shape
+            keys = k_flat[grp.slots]  # [B, N, KVH, D]
+            if grp.cos is not None:
+                rot = apply_rotary(keys.flatten(0, 1).float(), grp.cos.flatten(0, 1), grp.sin.flatten(0, 1))
+                keys = rot.view_as(keys).to(keys.dtype)
+            vals = v_flat[grp.slots]
+            # GQA without copying K/V: fold the query heads sharing a KV head into the query axis.
+            qs = q[grp.q_index].view(B, nq, KVH, g, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, g * nq, D)
+            mask = grp.mask[:, None, None].expand(B, 1, g, nq, -1).reshape(B, 1, g * nq, -1)
+            o = F.scaled_dot_product_attention(qs, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask)
+            o = o.view(B, KVH, g, nq, D).permute(0, 3, 1, 2, 4).reshape(B, nq, H * D)
+            out[grp.q_index[grp.q_valid]] = o[grp.q_valid]
+        return out

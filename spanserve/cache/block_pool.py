@@ -1,0 +1,149 @@
+"""Fixed pool of KV blocks with ref counts, a content index and an LRU free list.
+
+Free list order: uncached free blocks sit before cached ones, so allocate() (which
+pops the head) only evicts a cached block once no plain garbage is left, and among
+cached blocks the least recently freed goes first.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    id: int
+    ref_cnt: int = 0
+    key: int | None = None  # set while the block is published in the cache index
+    # Tokens the key was computed over: compared on every hit, so a hash collision
+    # can never return wrong KV.
+    tokens: tuple[int, ...] = ()
+    # Intrusive free-list links; kept out of repr since they would recurse.
+    prev: Block | None = field(default=None, repr=False)
+    next: Block | None = field(default=None, repr=False)
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._index: dict[int, Block] = {}
+        # Sentinels remove every empty-list / end-of-list special case from link code.
+        self._head = Block(-1)
+        self._tail = Block(-1)
+        self._head.next = self._tail
+        self._tail.prev = self._head
+        self._num_free = 0
+        for b in self.blocks:
+            self._link_before(b, self._tail)
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._index)
+
+    def free_blocks(self) -> Iterator[Block]:
+        node = self._head.next
+        while node is not self._tail:
+            assert node is not None
+            yield node
+            node = node.next
+
+    # -- free-list primitives ------------------------------------------------------
+
+    def _link_before(self, block: Block, succ: Block) -> None:
+        pred = succ.prev
+        assert pred is not None
+        block.prev, block.next = pred, succ
+        pred.next = block
+        succ.prev = block
+        self._num_free += 1
+
+    def _unlink(self, block: Block) -> None:
+        assert block.prev is not None and block.next is not None
+        block.prev.next = block.next
+        block.next.prev = block.prev
+        block.prev = block.next = None
+        self._num_free -= 1
+
+    def _drop_from_index(self, block: Block) -> None:
+        assert block.key is not None and self._index.get(block.key) is block
+        del self._index[block.key]
+        block.key = None
+        block.tokens = ()
+
+    # -- public API ----------------------------------------------------------------
+
+    def allocate(self) -> Block:
+        block = self._head.next
+        if block is self._tail or block is None:
+            raise NoFreeBlocks("no free KV blocks")
+        self._unlink(block)
+        if block.key is not None:
+            self._drop_from_index(block)  # its KV is about to be overwritten
+        block.ref_cnt = 1
+        return block
+
+    def allocate_many(self, n: int) -> list[Block]:
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        # Checked up front so a failed request leaves no half-taken blocks behind.
+        if n > self._num_free:
+            raise NoFreeBlocks(f"need {n} blocks, {self._num_free} free")
+        return [self.allocate() for _ in range(n)]
+
+    def lookup(self, key: int, tokens: Sequence[int]) -> Block | None:
+        block = self._index.get(key)
+        if block is None or block.tokens != tuple(tokens):
+            return None
+        return block
+
+    def acquire(self, block: Block) -> None:
+        if block.ref_cnt == 0:
+            self._unlink(block)  # a cache hit on a free block revives it in O(1)
+        block.ref_cnt += 1
+
+    def release(self, block: Block) -> None:
+        if block.ref_cnt <= 0:
+            raise ValueError(f"release of block {block.id} with ref_cnt {block.ref_cnt}")
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            # Cached blocks queue at the tail (LRU); uncached ones are reused first.
+            self._link_before(block, self._tail if block.key is not None else self._head.next)  # type: ignore[arg-type]
+
+    def register(self, block: Block, key: int, tokens: Sequence[int]) -> Block:
+        """Publish `block` under `key`; returns the block that holds the key afterwards.
+
+        If another block already holds the key the index is left alone (first writer
+        wins) and that block is returned; on a true hash collision its tokens differ,
+        so callers must not substitute it without comparing tokens.
+        """
+        holder = self._index.get(key)
+        if holder is not None:
+            return holder
+        if block.key is not None:
+            raise ValueError(f"block {block.id} already registered under another key")
+        block.key = key
+        block.tokens = tuple(int(t) for t in tokens)
+        self._index[key] = block
+        if block.ref_cnt == 0:
+            # Keep the "uncached before cached" order: it becomes most recently freed.
+            self._unlink(block)
+            self._link_before(block, self._tail)
+        return block
+
+    def evict(self, block: Block) -> None:
+        if block.ref_cnt != 0 or block.key is None:
+            raise ValueError(f"evict needs a free cached block, got {block!r}")
+        self._drop_from_index(block)
+        self._unlink(block)
+        self._link_before(block, self._head.next)  # type: ignore[arg-type]

@@ -1,0 +1,86 @@
+"""Content keys for KV blocks: 128-bit xxh3 over (parent key, block tokens, extra).
+
+A unit's chain starts at a seed (namespace + optional parts), and each block's key
+folds in its parent's key, so a key identifies the block's whole history, not just
+its own tokens. Keys are plain Python ints < 2**128 so they can be dict keys.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+# Domain tags keep a seed from ever colliding structurally with a block key, and
+# keep differently typed seed parts (b"1" vs "1" vs 1 vs [1]) apart.
+_SEED_TAG = b"S"
+_BLOCK_TAG = b"B"
+_PART_BYTES = b"b"
+_PART_STR = b"s"
+_PART_INT = b"i"
+_PART_INTS = b"t"
+
+
+def _h(data: bytes) -> int:
+    return xxhash.xxh3_128_intdigest(data)
+
+
+def _tokens_bytes(tokens: Sequence[int]) -> bytes:
+    # Fixed-width little-endian int32 makes the encoding independent of platform and
+    # of the container type (list, tuple, numpy array). numpy raises on Python ints
+    # that do not fit, so out-of-range ids cannot silently alias.
+    return np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def _len8(n: int) -> bytes:
+    return n.to_bytes(8, "little")
+
+
+def _encode_part(part: bytes | str | int | Sequence[int]) -> bytes:
+    if isinstance(part, (bytes, bytearray, memoryview)):
+        tag, payload = _PART_BYTES, bytes(part)
+    elif isinstance(part, str):
+        tag, payload = _PART_STR, part.encode("utf-8")
+    elif isinstance(part, (int, np.integer)):
+        n = int(part)
+        # Signed, minimal width: arbitrary-size ints are allowed as descriptors.
+        tag, payload = _PART_INT, n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    else:
+        tag, payload = _PART_INTS, _tokens_bytes(part)
+    # Tag + length prefix make the concatenation of parts unambiguous.
+    return tag + _len8(len(payload)) + payload
+
+
+def seed(namespace: str = "", *parts: bytes | str | int | Sequence[int]) -> int:
+    """Start of a unit's chain. seed("") is the plain-prompt seed."""
+    data = _SEED_TAG + _encode_part(namespace) + b"".join(_encode_part(p) for p in parts)
+    return _h(data)
+
+
+def _block_key_raw(parent: int, tok_bytes: bytes, n_tokens: int, extra: bytes) -> int:
+    # The token count is in the preimage so a partial block never shares a key with
+    # a fuller block, and so `extra` cannot be confused with trailing tokens.
+    return _h(_BLOCK_TAG + parent.to_bytes(16, "little") + _len8(n_tokens) + tok_bytes + extra)
+
+
+def block_key(parent: int, tokens: Sequence[int], extra: bytes = b"") -> int:
+    """Key of one block given its parent's key (or the chain seed)."""
+    return _block_key_raw(parent, _tokens_bytes(tokens), len(tokens), extra)
+
+
+def chain_keys(
+    seed: int, tokens: Sequence[int], block_size: int, include_partial: bool = False
+) -> list[int]:
+    """Keys of consecutive blocks of `tokens`; a trailing partial block only if asked."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    arr = np.asarray(tokens, dtype="<i4")  # encode once, slice per block
+    n = len(arr)
+    end = n if include_partial else n - n % block_size
+    keys: list[int] = []
+    parent = seed
+    for start in range(0, end, block_size):
+        blk = arr[start : start + block_size]
+        parent = _block_key_raw(parent, blk.tobytes(), len(blk), b"")
+        keys.append(parent)
+    return keys

@@ -1,0 +1,210 @@
+"""The synchronous engine: requests in, one scheduled model step at a time, outputs out."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import torch
+
+from spanserve.attention.backend import AttentionBackend
+from spanserve.attention.reference import ReferenceBackend
+from spanserve.cache.block_pool import BlockPool
+from spanserve.cache.manager import CacheManager
+from spanserve.cache.storage import KVStorage, bytes_per_block
+from spanserve.engine.outputs import RequestOutput, find_stop
+from spanserve.engine.request import Request, Status
+from spanserve.engine.runner import ModelRunner
+from spanserve.engine.sampling import Sampler, SamplingParams, make_generator
+from spanserve.engine.scheduler import Scheduler
+from spanserve.model.llama import LlamaModel
+from spanserve.model.loader import LoadedModel, load_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | LoadedModel = "smollm2",
+        device: str = "cpu",
+        dtype: str | torch.dtype = "float32",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        backend: AttentionBackend | None = None,
+    ):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.device = torch.device(device)
+        self.dtype = parse_dtype(dtype)
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, self.dtype, self.device)
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device)
+        del loaded
+        per_block = bytes_per_block(self.config, block_size, self.dtype)
+        if num_blocks is None:
+            budget = kv_cache_memory if kv_cache_memory is not None else self._default_kv_memory()
+            num_blocks = int(budget // per_block)
+        if num_blocks < 2:
+            raise ValueError(f"KV pool of {num_blocks} blocks is too small; raise kv_cache_memory or num_blocks")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.storage = KVStorage(self.config, num_blocks, block_size, self.dtype, self.device)
+        self.manager = CacheManager(self.pool, self.storage, block_size)
+        self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.storage, backend or ReferenceBackend())
+        self.sampler = Sampler()
+        limit = min(self.config.max_position_embeddings, num_blocks * block_size)
+        self.max_model_len = min(max_model_len or limit, limit)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.counters = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0, "preemptions": 0,
+                         "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+
+    def _default_kv_memory(self) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.8)
+        return 1 << 30
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = set(self.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ---- requests -------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, namespace: str = "", **extra: Any) -> Request:
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("prompt is empty; send at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but the model's context here is {self.max_model_len}; "
+                             "shorten the prompt (or raise kv_cache_memory / max_model_len)")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        req = Request(rid, ids, params, namespace=namespace, generator=make_generator(params.seed), **extra)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        self.counters["prompt_tokens"] += len(ids)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        req.finish_reason = "abort"
+        self.scheduler.finish(req)
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self.counters["preemptions"] += len(sched.preempted)
+        if not sched.chunks:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Nothing runs and the head of the queue cannot be admitted: fail it rather than hang.
+                req = self.scheduler.waiting[0]
+                req.finish_reason = "length"
+                self.scheduler.finish(req)
+                return [self._finish_output(req)]
+            return []
+        logits, rows = self.runner.run(sched.chunks)
+        sampled = [(c.request, r) for c, r in zip(sched.chunks, rows) if r >= 0]
+        tokens, logprobs = self.sampler(logits, [q.params for q, _ in sampled], [q.generator for q, _ in sampled])
+        touched = {id(c.request): c.request for c in sched.chunks}
+        for (req, _), tok, lp in zip(sampled, tokens, logprobs):
+            self._append(req, tok, lp)
+        outputs = []
+        for req in touched.values():
+            if req.finished:
+                outputs.append(self._finish_output(req))
+                continue
+            self.manager.publish(req)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _append(self, req: Request, tok: int, lp: Any) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        req.output_token_ids.append(tok)
+        req.logprobs.append(lp)
+        req.main.tokens.append(tok)
+        req.main.todo.append(len(req.main.tokens) - 1)
+        self.counters["generation_tokens"] += 1
+        p = req.params
+        prev_len = len(req.text)
+        req.text = self._detok(req.output_token_ids)
+        reason: str | None = None
+        if tok in p.stop_token_ids:
+            reason, req.stop_reason = "stop", tok
+        elif not p.ignore_eos and tok in self.eos_token_ids:
+            reason, req.stop_reason = "stop", None
+        elif p.stop and (hit := find_stop(req.text, p.stop, prev_len)) is not None:
+            i, s = hit
+            req.text = req.text[: i + (len(s) if p.include_stop_str_in_output else 0)]
+            reason, req.stop_reason = "stop", s
+        elif len(req.output_token_ids) >= p.max_tokens:
+            reason = "length"
+        elif len(req.main.tokens) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            req.finish_reason = reason
+            self.scheduler.finish(req)
+
+    def _detok(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _finish_output(self, req: Request) -> RequestOutput:
+        self.requests.pop(req.request_id, None)
+        self.counters["requests_finished"] += 1
+        for k in ("prefix", "perforated", "segment", "computed"):
+            self.counters[k] += req.reuse[k]
+        return self._output(req)
+
+    def _output(self, req: Request) -> RequestOutput:
+        ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
+        metrics = {"ttft": ttft, "prompt_tokens": len(req.prompt_token_ids),
+                   "cached_tokens": req.num_cached_tokens, "reuse": dict(req.reuse),
+                   "preemptions": req.num_preemptions}
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, text=req.text,
+            token_ids=list(req.output_token_ids), finished=req.finished, finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason, logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            metrics=metrics,
+        )

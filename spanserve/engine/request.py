@@ -1,0 +1,90 @@
+"""A request and the work still owed on it."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from spanserve.cache.block_pool import Block
+from spanserve.cache.table import Entry, key_slots
+from spanserve.engine.sampling import SamplingParams, TokenLogprobs
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Task:
+    """Positions still to compute over one key table (one attention row).
+
+    The main task is the request's own sequence in logical positions; a standalone segment being
+    encoded is a task of its own in local positions. `todo` is sorted and consumed from the front,
+    so everything before todo[0] already has KV: perforated holes are just gaps in `todo`."""
+
+    tokens: list[int]
+    entries: list[Entry]
+    todo: list[int]
+    block_size: int
+    sample: bool = False  # sample from the logits of the last position of `tokens`
+    anchor_end: int | None = None  # plus-segment mask form; None = causal
+    seg_start: int | None = None
+    _slots: list[int] | None = field(default=None, repr=False)
+
+    @property
+    def slots(self) -> list[int]:
+        if self._slots is None:
+            self._slots = key_slots(self.entries, self.block_size)
+        return self._slots
+
+    def set_entries(self, entries: list[Entry]) -> None:
+        self.entries = entries
+        self._slots = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    namespace: str = ""
+    generator: torch.Generator | None = None
+    layout: Any = None  # span layout (list of segments); None = one plain causal prompt
+    policy: Any = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text: str = ""
+    first_token_time: float | None = None
+    # cache state, owned by the cache manager while the request holds blocks
+    tasks: list[Task] = field(default_factory=list)
+    held: list[Block] = field(default_factory=list)
+    chain_keys: list[int] = field(default_factory=list)
+    to_publish: list[int] = field(default_factory=list)  # main-table blocks not yet offered to the index
+    reuse: dict[str, int] = field(default_factory=lambda: {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0})
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def main(self) -> Task:
+        return self.tasks[-1]
+
+    @property
+    def num_cached_tokens(self) -> int:
+        r = self.reuse
+        return r["prefix"] + r["perforated"] + r["segment"]

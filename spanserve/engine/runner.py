@@ -1,0 +1,71 @@
+"""Model runner: turns a step's chunks into one flat batch and one attention plan."""
+from __future__ import annotations
+
+import torch
+
+from spanserve.attention.backend import AttentionBackend
+from spanserve.attention.plan import AttentionPlan, Row
+from spanserve.cache.storage import KVStorage
+from spanserve.cache.table import key_deltas
+from spanserve.engine.scheduler import Chunk
+from spanserve.model.llama import LlamaModel
+
+
+def build_plan(chunks: list[Chunk], block_size: int, device: torch.device) -> tuple[torch.Tensor, AttentionPlan, list[int]]:
+    """Returns (input ids, plan, index into the flat batch of each chunk's sampled position or -1)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    writes: list[int] = []
+    rows: list[Row] = []
+    sample_at: list[int] = []
+    for c in chunks:
+        t = c.task
+        slots = t.slots
+        start = len(ids)
+        ids.extend(t.tokens[p] for p in c.positions)
+        positions.extend(c.positions)
+        writes.extend(slots[p] for p in c.positions)
+        n_keys = c.positions[-1] + 1
+        deltas = key_deltas(t.entries)
+        q_pos = torch.tensor(c.positions, dtype=torch.long, device=device)
+        nq = len(c.positions)
+        rows.append(Row(
+            q_start=start,
+            q_end=start + nq,
+            q_pos=q_pos,
+            key_slots=torch.tensor(slots[:n_keys], dtype=torch.long, device=device),
+            key_delta=None if deltas is None else torch.tensor(deltas[:n_keys], dtype=torch.long, device=device),
+            anchor_end=None if t.anchor_end is None else torch.full((nq,), t.anchor_end, device=device),
+            seg_start=None if t.seg_start is None else torch.full((nq,), t.seg_start, device=device),
+        ))
+        last = len(t.tokens) - 1
+        sample_at.append(start + nq - 1 if t.sample and c.positions[-1] == last else -1)
+    plan = AttentionPlan(
+        rows=rows,
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        write_slots=torch.tensor(writes, dtype=torch.long, device=device),
+    )
+    return torch.tensor(ids, dtype=torch.long, device=device), plan, sample_at
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, storage: KVStorage, backend: AttentionBackend):
+        self.model = model
+        self.storage = storage
+        self.backend = backend
+        n = model.config.num_layers
+        self.k_caches = [storage.k[i] for i in range(n)]
+        self.v_caches = [storage.v[i] for i in range(n)]
+
+    @torch.inference_mode()
+    def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
+        """Logits [n_sampled, vocab] (float32) and, per chunk, its row in them or -1."""
+        ids, plan, sample_at = build_plan(chunks, self.storage.block_size, self.model.device)
+        hidden = self.model.forward(ids, plan, self.backend, self.k_caches, self.v_caches)
+        picks = [i for i in sample_at if i >= 0]
+        logits = self.model.logits(hidden[torch.tensor(picks, dtype=torch.long, device=hidden.device)])
+        rows, k = [], 0
+        for i in sample_at:
+            rows.append(k if i >= 0 else -1)
+            k += i >= 0
+        return logits, rows

@@ -1,0 +1,60 @@
+"""Offline Python API, shaped like vLLM's: LLM(...).generate(prompts, params)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from spanserve.engine.engine import LLMEngine
+from spanserve.engine.outputs import RequestOutput
+from spanserve.engine.sampling import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: Any = "smollm2", device: str = "cpu", dtype: str = "float32", block_size: int = 16,
+                 **engine_args: Any):
+        self.engine = LLMEngine(model=model, device=device, dtype=dtype, block_size=block_size, **engine_args)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 namespace: str = "", use_tqdm: bool = False) -> list[RequestOutput]:
+        """Runs every prompt to completion in one continuous batch; outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt: text, or one list of token ids
+        prompts = list(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(plist)} sampling params; pass one or one per prompt")
+        # Validate every prompt before queuing any, so a bad one leaves nothing half-submitted.
+        encoded = [self.engine.encode(p) for p in prompts]
+        ids = []
+        try:
+            for toks, sp in zip(encoded, plist):
+                ids.append(self.engine.add_request(toks, sp, namespace=namespace).request_id)
+        except ValueError:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return self._drain(ids)
+
+    def _drain(self, ids: list[str]) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        want = set(ids)
+        while want - done.keys():
+            for out in self.engine.step():
+                if out.finished and out.request_id in want:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+             params: SamplingParams | None = None, namespace: str = "") -> list[RequestOutput]:
+        """Applies the model's chat template (with the generation prompt) to each conversation."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        prompts = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True)) for c in convs]
+        return self.generate(prompts, params, namespace=namespace)

@@ -1,0 +1,100 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from spanserve.attention.backend import AttentionBackend
+from spanserve.attention.plan import AttentionPlan
+from spanserve.model.config import ModelConfig
+from spanserve.model.layers import Rotary, apply_rotary, rms_norm
+
+
+@dataclass
+class _Layer:
+    qkv: torch.Tensor  # q, k and v projections stacked: one matmul instead of three
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        def opt(name: str) -> torch.Tensor | None:
+            return w(name) if name in weights else None
+
+        self.layers: list[_Layer] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if config.attention_bias:
+                bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
+            self.layers.append(_Layer(
+                qkv=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                qkv_bias=bias,
+                o=w(a + "o_proj.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                down=w(p + "mlp.down_proj.weight"),
+                input_norm=w(p + "input_layernorm.weight"),
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                q_norm=opt(a + "q_norm.weight") if config.qk_norm else None,
+                k_norm=opt(a + "k_norm.weight") if config.qk_norm else None,
+            ))
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        head = weights.get("lm_head.weight")
+        self.lm_head = self.embed if (config.tie_word_embeddings or head is None) else head.to(self.device, dtype)
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        plan: AttentionPlan,
+        backend: AttentionBackend,
+        k_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, KVH, D]
+        v_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden]."""
+        c = self.config
+        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+        T = input_ids.numel()
+        block_size = k_caches[0].shape[1]
+        prepared = backend.prepare(plan, self.rotary, block_size)
+        cos, sin = self.rotary.cos_sin(plan.positions, self.dtype)
+        h = self.embed[input_ids]
+        for i, L in enumerate(self.layers):
+            x = rms_norm(h, L.input_norm, c.rms_norm_eps)
+            qkv = F.linear(x, L.qkv, L.qkv_bias)
+            q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+            q, k, v = q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
+            if L.q_norm is not None:
+                q = rms_norm(q, L.q_norm, c.rms_norm_eps)
+                k = rms_norm(k, L.k_norm, c.rms_norm_eps)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            attn = backend.forward(prepared, q, k.contiguous(), v.contiguous(), k_caches[i], v_caches[i])
+            h = h + F.linear(attn, L.o)
+            x = rms_norm(h, L.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(x, L.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, L.down)
+        return rms_norm(h, self.norm, c.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
