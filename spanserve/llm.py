@@ -56,5 +56,7 @@ class LLM:
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        prompts = [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True)) for c in convs]
-        return self.generate(prompts, params, namespace=namespace)
+        # Render to text and tokenize ourselves: the template already holds the special tokens, and
+        # tokenizer versions disagree on what tokenize=True returns.
+        texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
+        return self.generate([self.engine.encode(t) for t in texts], params, namespace=namespace)

@@ -34,7 +34,8 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
-            return weights[name].to(device=self.device, dtype=dtype)
+            # copy=True: loaders may hand out views of memory-mapped files, which page in slowly.
+            return weights[name].to(device=self.device, dtype=dtype, copy=True)
 
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
@@ -60,7 +61,7 @@ class LlamaModel:
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         head = weights.get("lm_head.weight")
-        self.lm_head = self.embed if (config.tie_word_embeddings or head is None) else head.to(self.device, dtype)
+        self.lm_head = self.embed if (config.tie_word_embeddings or head is None) else w("lm_head.weight")
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, self.device)
 
     @torch.inference_mode()

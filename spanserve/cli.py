@@ -1,0 +1,85 @@
+"""Command line: `spanserve generate "prompt"` (and `--chat`), `spanserve serve` (OpenAI-compatible API)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file or a Hugging Face model directory")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=_size, default=None,
+                   help="bytes for the KV pool, e.g. 1073741824, 512MiB or 2GB (default: 1 GiB on CPU)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+
+
+def _size(text: str) -> int:
+    from spanserve.server.launch import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from spanserve.server.launch import ServeOptions, serve
+
+    serve(ServeOptions(model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
+                       device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                       block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                       default_policy=args.default_policy, max_queued_requests=args.max_queued_requests,
+                       log_level=args.log_level))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from spanserve import LLM, SamplingParams
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+              kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate(args.prompt, params)[0]
+    print(out.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spanserve", description="LLM engine with position-independent KV reuse")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    _engine_args(g)
+    g.set_defaults(func=_generate)
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions)")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None,
+                   help="model name clients send (default: smollm2, or the model path's basename)")
+    s.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + generated tokens")
+    s.add_argument("--default-policy", default="none", choices=["none", "full"],
+                   help="KV reuse policy for requests that name none")
+    s.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests that may wait beyond --max-num-seqs before new ones get 429")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=_serve)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"spanserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""Per-request sampling parameters and the batched sampler.
+
+Filtering order matches vLLM: temperature, top-k, top-p, min-p, renormalize.
+Every filter is defined by a value threshold rather than by a position in a sorted
+list, so tied tokens at a cut-off are kept or dropped together and the support
+never depends on how a sort happened to order equal values.
+
+Each sampled row draws its randomness from its own generator (exponential race:
+argmax(p / q), q ~ Exp(1)), consuming exactly V uniforms per step; greedy rows
+draw nothing. A seeded request therefore yields the same tokens whatever else
+shares its batch.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]; 1 = disabled
+    top_k: int = 0  # 0 or -1 = disabled
+    min_p: float = 0.0  # [0, 1]; 0 = disabled
+    # Seeds a per-request generator: same seed + same prompt -> same tokens,
+    # regardless of batch composition.
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    # Top-n logprobs of each chosen token (0 = only the chosen token's); None = none.
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept the loose forms an OpenAI-style request carries.
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        # Negated comparisons below so NaN fails too.
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(
+                f"max_tokens must be an int >= 1, got {self.max_tokens!r}; "
+                "it is the maximum number of tokens to generate"
+            )
+        if not (self.temperature >= 0.0) or math.isinf(self.temperature):
+            raise ValueError(
+                f"temperature must be a finite number >= 0, got {self.temperature!r}; "
+                "use 0 for greedy decoding or 1.0 for the model's distribution"
+            )
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(
+                f"top_p must be in (0, 1], got {self.top_p!r}; "
+                "use 1.0 to disable nucleus sampling"
+            )
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(
+                f"top_k must be an int >= -1, got {self.top_k!r}; "
+                "use 0 or -1 to disable top-k filtering"
+            )
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(
+                f"min_p must be in [0, 1], got {self.min_p!r}; "
+                "use 0.0 to disable min-p filtering"
+            )
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}; "
+                "use 0 for only the chosen token's logprob, None for no logprobs"
+            )
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str):
+                raise ValueError(
+                    f"stop must be a string or a list of strings, got {s!r} "
+                    f"({type(s).__name__}) at index {i}"
+                )
+            if not s:
+                raise ValueError(
+                    f"stop strings must be non-empty, got '' at index {i}; "
+                    "remove it (an empty string would stop immediately)"
+                )
+        for i, t in enumerate(self.stop_token_ids):
+            if not _is_int(t) or t < 0:
+                raise ValueError(
+                    f"stop_token_ids must be non-negative ints, got {t!r} "
+                    f"({type(t).__name__}) at index {i}; pass token ids, not strings "
+                    "(use stop for strings)"
+                )
+
+    @property
+    def greedy(self) -> bool:
+        # top_k == 1 keeps only the best token, so no randomness is left to use.
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _is_int(x: object) -> bool:
+    # bool is an int subclass, but True as a token id or count is always a mistake.
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    # Top-n alternatives (token id -> logprob), highest first, n = params.logprobs;
+    # includes the chosen token if it is in the top n.
+    top: dict[int, float]
+
+
+def make_generator(
+    seed: int | None, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
+    """Generator for a request's seed; None means "use the global RNG"."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+# Top-p looks for its cut-off among this many of the most likely tokens first,
+# then among more, and sorts the whole row only when even those fall short of
+# top_p. A full sort of a large vocabulary costs many times a top-k, and real
+# next-token distributions put almost all their mass in far fewer tokens.
+_TOP_P_CANDIDATES: tuple[int, ...] = (1024, 8192)
+
+
+def _filter_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Filtered, renormalized probabilities for float32 logits [B, V] of sampled rows."""
+    vocab = logits.shape[-1]
+    dev = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    # Shift by the row max before scaling: huge logits over a small temperature
+    # would otherwise overflow to inf, and softmax would turn inf - inf into NaN.
+    x = (logits - logits.amax(dim=-1, keepdim=True)) / temperature[:, None]
+
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(ks):
+        # Thresholding the raw logits rather than x: same order (temperature > 0),
+        # but no rounding from the division can merge or split ties.
+        k = torch.tensor(ks, dtype=torch.long, device=dev)
+        topv = torch.topk(logits, max(ks), dim=-1).values
+        kth = topv.gather(1, (k.clamp_min(1) - 1)[:, None])
+        kth = torch.where(k[:, None] > 0, kth, float("-inf"))
+        x = x.masked_fill(logits < kth, float("-inf"))
+
+    probs = torch.softmax(x, dim=-1)
+
+    p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if p_rows:
+        top_p = torch.tensor([params[i].top_p for i in p_rows], dtype=torch.float32, device=dev)
+        sub = probs if len(p_rows) == len(params) else probs[p_rows]
+        thresh = _top_p_threshold(sub, top_p)
+        if len(p_rows) == len(params):
+            probs = probs.masked_fill(probs < thresh, 0.0)
+        else:
+            probs[p_rows] = sub.masked_fill(sub < thresh, 0.0)
+
+    if any(p.min_p > 0.0 for p in params):
+        # Renormalizing does not change ratios to the max, so no need to do it first.
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        pmax = probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < min_p[:, None] * pmax, 0.0)
+
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Smallest probability top-p keeps, per row: [B, 1]."""
+    vocab = probs.shape[-1]
+    thresh = torch.empty((probs.shape[0], 1), dtype=probs.dtype, device=probs.device)
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    sizes = [m for m in _TOP_P_CANDIDATES if m < vocab] + [vocab]
+    for m in sizes:
+        sub = probs if len(rows) == probs.shape[0] else probs[rows]
+        if m < vocab:
+            prefix = torch.topk(sub, m, dim=-1).values
+        else:
+            prefix = sub.sort(dim=-1, descending=True).values
+        t, decided = _prefix_cut(prefix, top_p[rows])
+        thresh[rows] = t
+        if m == vocab or bool(decided.all()):
+            break
+        rows = rows[~decided]
+    return thresh
+
+
+def _prefix_cut(sorted_desc: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p cut over a descending prefix of each row's probabilities.
+
+    Returns the smallest kept value [B, 1] and whether the cut fell inside the
+    prefix [B] (if every value in it is kept, the cut may lie further down).
+    """
+    # Exclusive prefix sum = mass strictly above each position. Built by shifting
+    # the inclusive cumsum rather than subtracting from it, to avoid cancellation.
+    above = torch.nn.functional.pad(sorted_desc.cumsum(dim=-1)[:, :-1], (1, 0))
+    # A prefix, never empty: position 0 has no mass above and top_p > 0.
+    n_keep = (above < top_p[:, None]).sum(dim=-1, keepdim=True)
+    # Keeping every value >= the last kept one also keeps its ties further down.
+    return sorted_desc.gather(1, n_keep - 1), n_keep[:, 0] < sorted_desc.shape[-1]
+
+
+def filtered_probs(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The float32 distribution [V] the sampler draws from for one row of logits [V].
+
+    Greedy params give a one-hot at the argmax. Ties at a top-k / top-p / min-p
+    cut-off are all kept, so top-p keeps the smallest set of the form
+    {p >= t} whose mass reaches top_p.
+    """
+    row = logits_row.to(torch.float32).reshape(1, -1)
+    if params.greedy:
+        out = torch.zeros_like(row[0])
+        out[int(row[0].argmax())] = 1.0
+        return out
+    return _filter_probs(row, [params])[0]
+
+
+class Sampler:
+    """Picks one token per row of logits [B, V]; see the module docstring."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        batch = logits.shape[0]
+        if len(params) != batch or len(generators) != batch:
+            raise ValueError(
+                f"got {batch} logits rows, {len(params)} params and "
+                f"{len(generators)} generators; pass one of each per row"
+            )
+        logits = logits.to(torch.float32)
+        tokens = [0] * batch
+
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        if greedy_rows:
+            picked = logits[greedy_rows].argmax(dim=-1).tolist()
+            for i, t in zip(greedy_rows, picked):
+                tokens[i] = t
+
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled_rows:
+            picked = self._sample(
+                logits if len(sampled_rows) == batch else logits[sampled_rows],
+                [params[i] for i in sampled_rows],
+                [generators[i] for i in sampled_rows],
+            )
+            for i, t in zip(sampled_rows, picked):
+                tokens[i] = t
+
+        return tokens, self._logprobs(logits, params, tokens)
+
+    @staticmethod
+    def _sample(
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> list[int]:
+        probs = _filter_probs(logits, params)
+        # Exponential race: argmax(p / q) with q ~ Exp(1) picks token i with
+        # probability p_i. Uniforms are drawn in float64 because torch's float32
+        # uniforms are multiples of 2**-24, too coarse near 0 where the small,
+        # race-winning q come from; the log can then run in float32, which keeps
+        # full relative precision for small values.
+        u = torch.empty(probs.shape, dtype=torch.float64, device=probs.device)
+        # One fill per row from that row's own generator: this is what makes a
+        # seeded row independent of its neighbours and its position in the batch.
+        for i, g in enumerate(generators):
+            u[i].uniform_(generator=g)
+        q = torch.log1p(-u.to(torch.float32)).neg_()
+        scores = probs / q
+        # q can be 0 (score inf) or inf (score 0, like a filtered-out token);
+        # pushing filtered tokens below 0 guarantees a kept one always wins.
+        scores.masked_fill_(probs == 0.0, -1.0)
+        return scores.argmax(dim=-1).tolist()
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, params: Sequence[SamplingParams], tokens: list[int]
+    ) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(params)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return out
+        # Raw logits, before temperature and filtering: reports what the model
+        # thought, not what the sampler was allowed to pick.
+        lp = torch.log_softmax(logits[rows], dim=-1)
+        chosen_ids = torch.tensor([tokens[i] for i in rows], device=lp.device)
+        chosen = lp.gather(1, chosen_ids[:, None])[:, 0].tolist()
+        n_max = min(max(params[i].logprobs or 0 for i in rows), lp.shape[-1])
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if n_max > 0:
+            top = torch.topk(lp, n_max, dim=-1)  # sorted, highest first
+            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+        for j, i in enumerate(rows):
+            n = min(params[i].logprobs or 0, n_max)
+            alts = dict(zip(top_ids[j][:n], top_vals[j][:n])) if n > 0 else {}
+            out[i] = TokenLogprobs(token_id=tokens[i], logprob=chosen[j], top=alts)
+        return out
