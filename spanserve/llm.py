@@ -4,10 +4,12 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from spanserve.engine.engine import LLMEngine
+from spanserve.engine.layout import Segment
 from spanserve.engine.outputs import RequestOutput
 from spanserve.engine.sampling import SamplingParams
+from spanserve.reuse.policies import Policy
 
-Prompt = str | list[int]
+Prompt = str | list[int] | list[Segment]
 
 
 class LLM:
@@ -20,20 +22,19 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 namespace: str = "", use_tqdm: bool = False) -> list[RequestOutput]:
-        """Runs every prompt to completion in one continuous batch; outputs in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # a single prompt: text, or one list of token ids
+                 namespace: str = "", policy: str | Policy | None = None) -> list[RequestOutput]:
+        """Runs every prompt to completion in one continuous batch; outputs in prompt order.
+        A prompt is text, token ids, or a span layout (a list of Segments)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, Segment))):
+            prompts = [prompts]  # a single prompt
         prompts = list(prompts)
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} sampling params; pass one or one per prompt")
-        # Validate every prompt before queuing any, so a bad one leaves nothing half-submitted.
-        encoded = [self.engine.encode(p) for p in prompts]
         ids = []
-        try:
-            for toks, sp in zip(encoded, plist):
-                ids.append(self.engine.add_request(toks, sp, namespace=namespace).request_id)
+        try:  # a bad prompt aborts the ones queued before it: nothing is left half-submitted
+            for p, sp in zip(prompts, plist):
+                ids.append(self.engine.add_request(p, sp, namespace=namespace, policy=policy).request_id)
         except ValueError:
             for rid in ids:
                 self.engine.abort(rid)
@@ -48,6 +49,15 @@ class LLM:
                 if out.finished and out.request_id in want:
                     done[out.request_id] = out
         return [done[i] for i in ids]
+
+    def pin(self, segments: "Sequence[Segment | str]", namespace: str = "") -> None:
+        """Encode documents now and keep them cached until unpinned (never evicted meanwhile)."""
+        self._drain([self.engine.pin(list(segments), namespace=namespace).request_id])
+
+    def unpin(self, keys: "Sequence[str] | str", namespace: str = "") -> None:
+        for k in [keys] if isinstance(keys, str) else keys:
+            if not self.engine.unpin(k, namespace=namespace):
+                raise ValueError(f"nothing is pinned under {k!r} in namespace {namespace!r}")
 
     def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
              params: SamplingParams | None = None, namespace: str = "") -> list[RequestOutput]:

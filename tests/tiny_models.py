@@ -1,7 +1,7 @@
 """Tiny deterministic float32 models for loader and numerics tests.
 
-make_tiny_model writes a Hugging Face directory (config.json, model.safetensors, a WordLevel
-tokenizer with a chat template) and returns the transformers model it came from, so tests can
+make_tiny_model writes a Hugging Face directory (config.json, model.safetensors, a byte-level
+BPE tokenizer with a chat template) and returns the transformers model it came from, so tests can
 compare against transformers' own forward pass. make_tiny_gguf writes the same model as an F32
 GGUF laid out the way llama.cpp's converter does (permuted Q/K rows, rope_freqs for llama3).
 """
@@ -34,11 +34,10 @@ LLAMA3_ROPE: dict[str, Any] = {
     "high_freq_factor": 8.0,
     "original_max_position_embeddings": 1024,
 }
-
 TINY_ROPE_THETA: dict[str, float] = {
     "llama": LLAMA3_ROPE_THETA, "mistral": 10_000.0, "qwen2": 1_000_000.0, "qwen3": 1_000_000.0
 }
-TINY_VOCAB = 384  # >= the tokenizer's 259 bytes+specials plus merges
+TINY_VOCAB = 384  # room for the tokenizer: 3 specials + 256 bytes + word merges (349)
 _QWEN2_SPLIT = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
@@ -57,17 +56,19 @@ _COMMON: dict[str, Any] = dict(
 
 
 def tiny_config(arch: str, tie: bool = False) -> transformers.PretrainedConfig:
+    # transformers 5 spelling: theta and scaling both live in rope_parameters.
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": TINY_ROPE_THETA[arch]}
     common = dict(_COMMON, tie_word_embeddings=tie)
     if arch == "qwen2":
-        return transformers.Qwen2Config(**common, rope_theta=TINY_ROPE_THETA[arch])
+        return transformers.Qwen2Config(**common, rope_parameters=rope)
     if arch == "qwen3":
         # head_dim deliberately != hidden/heads, as in real Qwen3 checkpoints.
-        return transformers.Qwen3Config(**common, head_dim=32, rope_theta=TINY_ROPE_THETA[arch])
+        return transformers.Qwen3Config(**common, head_dim=32, rope_parameters=rope)
     if arch == "llama":
         common["max_position_embeddings"] = 8192
-        return transformers.LlamaConfig(**common, rope_theta=TINY_ROPE_THETA[arch], rope_scaling=dict(LLAMA3_ROPE))
+        return transformers.LlamaConfig(**common, rope_parameters=dict(rope, **LLAMA3_ROPE))
     if arch == "mistral":
-        return transformers.MistralConfig(**common, rope_theta=TINY_ROPE_THETA[arch], sliding_window=None)
+        return transformers.MistralConfig(**common, rope_parameters=rope, sliding_window=None)
     raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
 
 

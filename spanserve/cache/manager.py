@@ -1,29 +1,56 @@
-"""Cache manager: per-unit lookup (prefix, perforated, partial-block copies), block allocation
-for requests, publication of computed blocks, and release."""
+"""Cache manager: turns a request's layout into units (chains of blocks), looks each unit up
+(prefix, perforated, partial-block and segment hits), allocates what misses, builds the tasks
+that compute the holes, publishes computed blocks and releases them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spanserve.cache import hashing
 from spanserve.cache.block_pool import Block, BlockPool
 from spanserve.cache.storage import KVStorage
 from spanserve.cache.table import Entry
+from spanserve.engine.layout import Piece
 from spanserve.engine.request import Request, Task
 
 
 @dataclass
 class _Slot:
-    """Plan for one block of a unit: share a cached block, or take a fresh one whose first
-    `copy_n` slots are copied from `src` (a cached partial or full block of the same chain)."""
+    """One block of a unit: a shared cached block, or a fresh one whose first `copy_n` slots are
+    copied from `src` (a cached block holding a prefix of this block's tokens)."""
 
     shared: Block | None = None
     src: Block | None = None
     copy_n: int = 0
 
 
-def computed_upto(task: Task) -> int:
-    """Everything before this position has KV (todo is consumed in order)."""
-    return task.todo[0] if task.todo else len(task.tokens)
+@dataclass
+class Unit:
+    """A token run of the main table cached as one chain. Plus units are standalone segments
+    stored at local positions from `local_start`; the others are the request's own runs, stored at
+    their logical positions. The final unit is the one generation extends."""
+
+    seed: int
+    start: int
+    local_start: int
+    plus: bool
+    final: bool
+    tokens: list[int]
+    blocks: list[Block] = field(default_factory=list)
+    n_valid: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
+    fresh: list[int] = field(default_factory=list)  # block indices this request publishes
+    todo: list[int] = field(default_factory=list)  # unit-relative positions to compute
+    task: Task | None = None  # encode task of a plus unit with holes
+
+    @property
+    def delta(self) -> int:
+        return self.start - self.local_start
+
+
+def computed_upto(tasks: list[Task]) -> int:
+    """Main-row positions before this have KV: todo lists are consumed in order."""
+    heads = [t.todo[0] for t in tasks if t.todo]
+    return min(heads) if heads else len(tasks[-1].tokens)
 
 
 class CacheManager:
@@ -35,137 +62,184 @@ class CacheManager:
     # ---- lookup ---------------------------------------------------------------------------
     def _probe_partial(self, parent: int, toks: list[int], longest: int) -> tuple[Block | None, int]:
         """The cached block holding the longest prefix (<= longest tokens) of `toks`: a unit that
-        ended inside this block (an earlier turn, a preempted request) left it behind."""
+        ended inside this block (an earlier turn, a finished generation) left it behind."""
         for j in range(min(longest, len(toks)), 0, -1):
             b = self.pool.lookup(hashing.block_key(parent, toks[:j]), toks[:j])
             if b is not None:
                 return b, j
         return None, 0
 
-    def _plan_unit(self, seed: int, tokens: list[int], keys: list[int], last_computed: bool) -> list[_Slot]:
+    def _plan_unit(self, seed: int, tokens: list[int], keys: list[int], extended: bool) -> list[_Slot]:
         """Never stops at the first miss: a chained key after a gap still hits (perforated).
-        With last_computed the final token is always recomputed (its logits are needed), so the
-        block holding it is private: copied, never shared."""
+        An `extended` unit (generation continues it; its final token's logits are needed) keeps
+        its last block private: copied from a hit, never shared."""
         bs = self.block_size
         n_blocks = -(-len(tokens) // bs)
         plan: list[_Slot] = []
         for i in range(n_blocks):
             toks = tokens[i * bs:(i + 1) * bs]
             parent = keys[i - 1] if i else seed
-            final = last_computed and i == n_blocks - 1
-            if len(toks) == bs and i < len(keys):
-                hit = self.pool.lookup(keys[i], toks)
-                if hit is not None and not final:
-                    plan.append(_Slot(shared=hit))
-                    continue
-                if hit is not None:
-                    plan.append(_Slot(src=hit, copy_n=bs - 1))
-                    continue
-            src, j = self._probe_partial(parent, toks, len(toks) - 1 if len(toks) == bs else len(toks))
-            plan.append(_Slot(src=src, copy_n=min(j, len(toks) - 1) if final else j))
+            last = i == n_blocks - 1
+            key = keys[i] if len(toks) == bs else hashing.block_key(parent, toks)
+            hit = self.pool.lookup(key, toks)
+            if hit is not None and not (extended and last):
+                plan.append(_Slot(shared=hit))
+                continue
+            keep = len(toks) - 1 if (extended and last) else len(toks)
+            if hit is not None:
+                plan.append(_Slot(src=hit, copy_n=keep))
+                continue
+            src, j = self._probe_partial(parent, toks, min(keep, len(toks) - 1))
+            plan.append(_Slot(src=src, copy_n=j))
         return plan
 
     # ---- admission ------------------------------------------------------------------------
+    def _units(self, req: Request, pieces: list[Piece]) -> list[Unit]:
+        ns = req.namespace
+        plain = hashing.seed(ns)
+        units: list[Unit] = []
+        link = plain
+        prefix = list(pieces[0].tokens) if pieces[0].kind == "cross" else []
+        for i, p in enumerate(pieces):
+            final = i == len(pieces) - 1 and not req.encode_only
+            toks = list(p.tokens)
+            if p.kind == "plus":
+                # anchor none: exactly a plain causal encoding, so finished generations hit it
+                seed = plain if p.anchor_len == 0 else hashing.seed(ns, "anchor", prefix[: p.anchor_len])
+                u = Unit(seed, p.start, p.anchor_len, True, final, toks)
+            else:
+                u = Unit(link, p.start, p.start, False, final, toks)
+            u.keys = hashing.chain_keys(u.seed, toks, self.block_size)
+            # whatever follows depends on this unit's content and place: chain it into the link
+            digest = hashing.chain_keys(u.seed, toks, self.block_size, include_partial=True)[-1]
+            link = hashing.seed(ns, "span", str(req.policy_name), link, digest, p.start, p.anchor_len)
+            units.append(u)
+        return units
+
     def admit(self, req: Request) -> bool:
         """Give a waiting request its blocks and tasks. False (and nothing changed) when the pool
         cannot hold it now."""
-        bs = self.block_size
-        tokens = req.all_token_ids
-        seed = hashing.seed(req.namespace)
-        keys = hashing.chain_keys(seed, tokens, bs)
-        plan = self._plan_unit(seed, tokens, keys, last_computed=True)
-        touched = [s.shared or s.src for s in plan if (s.shared or s.src) is not None]
-        for b in touched:  # pin hits and copy sources before allocating can evict them
+        units = self._units(req, req.current_pieces())
+        plans = [self._plan_unit(u.seed, u.tokens, u.keys, u.final) for u in units]
+        touched = [b for plan in plans for s in plan for b in (s.shared, s.src) if b is not None]
+        for b in touched:  # hold hits and copy sources so allocation cannot evict them
             self.pool.acquire(b)
-        n_fresh = sum(1 for s in plan if s.shared is None)
+        n_fresh = sum(1 for plan in plans for s in plan if s.shared is None)
         if self.pool.num_free < n_fresh:
             for b in touched:
                 self.pool.release(b)
             return False
-        blocks: list[Block] = []
-        todo: list[int] = []
+        req.held = []
         reuse = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0}
         contiguous = True
-        to_publish: list[int] = []
-        for i, s in enumerate(plan):
-            n_tok = min(bs, len(tokens) - i * bs)
-            if s.shared is not None:
-                blocks.append(s.shared)
-                got = n_tok
-            else:
-                b = self.pool.allocate()
-                if s.src is not None and s.copy_n:
-                    self.storage.copy(s.src.id, b.id, s.copy_n)
-                blocks.append(b)
-                to_publish.append(i)
-                got = s.copy_n
-                todo.extend(range(i * bs + got, i * bs + n_tok))
-            reuse["prefix" if contiguous else "perforated"] += got
-            contiguous = contiguous and got == n_tok
-        for s in plan:
-            if s.src is not None:
-                self.pool.release(s.src)
-        reuse["computed"] = len(todo)
-        entries = [Entry(b.id, 0, min(bs, len(tokens) - i * bs)) for i, b in enumerate(blocks)]
-        req.tasks = [Task(tokens=list(tokens), entries=entries, todo=todo, block_size=bs, sample=True)]
-        req.held = blocks
-        req.chain_keys = keys
-        req.to_publish = to_publish
+        bs = self.block_size
+        for u, plan in zip(units, plans):
+            for i, s in enumerate(plan):
+                n_tok = min(bs, len(u.tokens) - i * bs)
+                if s.shared is not None:
+                    b, got = s.shared, n_tok
+                else:
+                    b = self.pool.allocate()
+                    if s.src is not None:
+                        self.storage.copy(s.src.id, b.id, s.copy_n)
+                        self.pool.release(s.src)
+                    u.fresh.append(i)
+                    got = s.copy_n
+                    u.todo.extend(range(i * bs + got, i * bs + n_tok))
+                req.held.append(b)
+                u.blocks.append(b)
+                u.n_valid.append(n_tok)
+                kind = "segment" if u.plus else ("prefix" if contiguous else "perforated")
+                reuse[kind] += got
+                contiguous = contiguous and got == n_tok
+            reuse["computed"] += len(u.todo)
         if req.num_preemptions == 0:  # a resumed request reports how it was first served
             req.reuse = reuse
+        req.units = units
+        req.tasks = self._tasks(req, units)
         return True
 
-    def ensure_capacity(self, req: Request) -> bool:
-        """Make room in the main table for every token of the main task (decode growth)."""
-        task = req.main
+    def _tasks(self, req: Request, units: list[Unit]) -> list[Task]:
+        """Main-row work before the first plus unit, then each plus unit's encoding (it may read
+        that prefix as its anchor), then the rest of the main row (it reads the segments)."""
         bs = self.block_size
-        have = sum(e.n_valid for e in task.entries)
-        need = len(task.tokens) - have
+        entries = self.entries(units)
+        tokens = [t for u in units for t in u.tokens]
+        first_plus = next((i for i, u in enumerate(units) if u.plus), len(units))
+        before = [u.start + p for u in units[:first_plus] for p in u.todo]
+        after = [u.start + p for u in units[first_plus:] if not u.plus for p in u.todo]
+        tasks: list[Task] = []
+        if first_plus < len(units) and before:
+            tasks.append(Task(tokens, entries, before, bs, main=True))
+        anchor_entries = entries[: sum(len(u.blocks) for u in units[:first_plus])]
+        for u in units:
+            if u.plus and u.todo:
+                a = u.local_start
+                seg_entries = [Entry(b.id, 0, n) for b, n in zip(u.blocks, u.n_valid)]
+                u.task = Task(tokens[:a] + u.tokens, _truncate(anchor_entries, a) + seg_entries,
+                              [a + p for p in u.todo], bs)
+                tasks.append(u.task)
+        main_todo = after if first_plus < len(units) else before
+        tasks.append(Task(tokens, entries, main_todo, bs, sample=not req.encode_only, main=True))
+        return tasks
+
+    @staticmethod
+    def entries(units: list[Unit]) -> list[Entry]:
+        return [Entry(b.id, u.delta, n) for u in units for b, n in zip(u.blocks, u.n_valid)]
+
+    def ensure_capacity(self, req: Request) -> bool:
+        """Room in the final unit for every token of the main task (decode growth)."""
+        task = req.main
+        u = req.units[-1]
+        bs = self.block_size
+        need = len(task.tokens) - (u.start + sum(u.n_valid))
         if need <= 0:
             return True
-        entries = list(task.entries)
-        last = entries[-1]
-        if last.n_valid < bs:
-            grow = min(need, bs - last.n_valid)
-            entries[-1] = Entry(last.block, last.delta, last.n_valid + grow)
-            need -= grow
-        n_new = -(-need // bs)
+        grow = min(need, bs - u.n_valid[-1])
+        n_new = -(-(need - grow) // bs)
         if self.pool.num_free < n_new:
-            if len(entries) != len(task.entries) or entries[-1] != last:
-                task.set_entries(entries)
             return False
+        u.n_valid[-1] += grow
+        need -= grow
         for _ in range(n_new):
             b = self.pool.allocate()
             req.held.append(b)
-            req.to_publish.append(len(entries))
-            entries.append(Entry(b.id, 0, min(bs, need)))
+            u.fresh.append(len(u.blocks))
+            u.blocks.append(b)
+            u.n_valid.append(min(bs, need))
             need -= min(bs, need)
-        task.set_entries(entries)
+        task.set_entries(self.entries(req.units))
         return True
 
     # ---- publication and release ----------------------------------------------------------
     def publish(self, req: Request, tail: bool = False) -> None:
-        """Offer every fully computed private block of the main table to the index; with `tail`
-        (the request is leaving) also the partial last block, keyed by its exact tokens."""
-        task = req.main
+        """Offer every computed block this request owns to the index. A unit's partial last block
+        is keyed by its exact tokens once nothing will be appended to it, or with `tail` (the
+        request is leaving: its generated text becomes a reusable unit)."""
+        main_tasks = [t for t in req.tasks if t.main]
+        upto = computed_upto(main_tasks)
         bs = self.block_size
-        upto = computed_upto(task)
-        full = upto // bs
-        keys = req.chain_keys
-        seed = hashing.seed(req.namespace)
-        while len(keys) < full:
-            i = len(keys)
-            keys.append(hashing.block_key(keys[-1] if keys else seed, task.tokens[i * bs:(i + 1) * bs]))
-        pending = []
-        for i in req.to_publish:
-            if i < full:
-                self.pool.register(req.held[i], keys[i], task.tokens[i * bs:(i + 1) * bs])
-            elif tail and i == full and upto % bs:
-                toks = task.tokens[i * bs:upto]
-                self.pool.register(req.held[i], hashing.block_key(keys[i - 1] if i else seed, toks), toks)
+        for u in req.units:
+            if u.final:
+                u.tokens = req.main.tokens[u.start:]
+            if u.plus:
+                done_upto = len(u.tokens) if (u.task is None or not u.task.todo) else 0
             else:
-                pending.append(i)
-        req.to_publish = pending
+                done_upto = max(0, min(upto - u.start, len(u.tokens)))
+            while (len(u.keys) + 1) * bs <= done_upto:  # generated tokens filled another block
+                j = len(u.keys)
+                u.keys.append(hashing.block_key(u.keys[-1] if u.keys else u.seed, u.tokens[j * bs:(j + 1) * bs]))
+            keep: list[int] = []
+            for i in u.fresh:
+                n = min(bs, done_upto - i * bs)
+                whole = n == u.n_valid[i] and (not u.final or n == bs)
+                if n <= 0 or not (whole or (tail and u.final)):
+                    keep.append(i)
+                    continue
+                toks = u.tokens[i * bs:i * bs + n]
+                key = u.keys[i] if n == bs else hashing.block_key(u.keys[i - 1] if i else u.seed, toks)
+                self.pool.register(u.blocks[i], key, toks)
+            u.fresh = keep
 
     def release(self, req: Request) -> None:
         """Publish what the request computed, then drop its references; its blocks stay cached."""
@@ -175,4 +249,15 @@ class CacheManager:
             self.pool.release(b)
         req.held = []
         req.tasks = []
-        req.to_publish = []
+        req.units = []
+
+
+def _truncate(entries: list[Entry], n: int) -> list[Entry]:
+    """The entries covering the first n positions."""
+    out: list[Entry] = []
+    for e in entries:
+        if n <= 0:
+            break
+        out.append(Entry(e.block, e.delta, min(e.n_valid, n)))
+        n -= e.n_valid
+    return out

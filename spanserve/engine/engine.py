@@ -12,6 +12,7 @@ from spanserve.attention.reference import ReferenceBackend
 from spanserve.cache.block_pool import BlockPool
 from spanserve.cache.manager import CacheManager
 from spanserve.cache.storage import KVStorage, bytes_per_block
+from spanserve.engine.layout import Segment, resolve
 from spanserve.engine.outputs import RequestOutput, find_stop
 from spanserve.engine.request import Request, Status
 from spanserve.engine.runner import ModelRunner
@@ -19,6 +20,7 @@ from spanserve.engine.sampling import Sampler, SamplingParams, make_generator
 from spanserve.engine.scheduler import Scheduler
 from spanserve.model.llama import LlamaModel
 from spanserve.model.loader import LoadedModel, load_model
+from spanserve.reuse.policies import Policy, resolve_policy
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,11 +46,18 @@ class LLMEngine:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         backend: AttentionBackend | None = None,
+        default_policy: str | Policy = "none",
+        pin_fraction: float = 0.5,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0 <= pin_fraction <= 1:
+            raise ValueError(f"pin_fraction must be in [0, 1], got {pin_fraction}")
+        self.default_policy = resolve_policy(default_policy)
+        self.pin_fraction = pin_fraction
+        self.pinned: dict[tuple[str, str], list] = {}  # (namespace, key) -> blocks held for the pin
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, self.dtype, self.device)
@@ -101,10 +110,19 @@ class LLMEngine:
             raise ValueError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
         return ids
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, namespace: str = "", **extra: Any) -> Request:
+    def add_request(self, prompt: "str | list[int] | list[Segment]", params: SamplingParams | None = None,
+                    request_id: str | None = None, namespace: str = "", policy: "str | Policy | None" = None,
+                    **extra: Any) -> Request:
+        """prompt: text, token ids, or a span layout (a list of Segments)."""
         params = params or SamplingParams()
-        ids = self.encode(prompt)
+        pol = resolve_policy(policy, self.default_policy)
+        pieces = []
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], Segment):
+            pieces = resolve(prompt, self.encode, pol.name, require_tail=not extra.get("encode_only", False))
+            ids = [t for p in pieces for t in p.tokens]
+            self.encode(ids)  # range check
+        else:
+            ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt is empty; send at least one token")
         if len(ids) >= self.max_model_len:
@@ -113,7 +131,8 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, ids, params, namespace=namespace, generator=make_generator(params.seed), **extra)
+        req = Request(rid, ids, params, namespace=namespace, generator=make_generator(params.seed),
+                      pieces=pieces, policy_name=pol.name, **extra)
         self.requests[rid] = req
         self.scheduler.add(req)
         self.counters["prompt_tokens"] += len(ids)
@@ -134,6 +153,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.counters["preemptions"] += len(sched.preempted)
+        done_pins = [r for r in self.scheduler.running if r.encode_only and not any(t.todo for t in r.tasks)]
+        if not sched.chunks and done_pins:  # every segment was already cached: nothing to compute
+            for r in done_pins:
+                self._pin(r)
+            return [self._finish_output(r) for r in done_pins]
         if not sched.chunks:
             if self.scheduler.waiting and not self.scheduler.running:
                 # Nothing runs and the head of the queue cannot be admitted: fail it rather than hang.
@@ -150,6 +174,8 @@ class LLMEngine:
             self._append(req, tok, lp)
         outputs = []
         for req in touched.values():
+            if req.encode_only and not any(t.todo for t in req.tasks):
+                self._pin(req)
             if req.finished:
                 outputs.append(self._finish_output(req))
                 continue
@@ -184,6 +210,42 @@ class LLMEngine:
         if reason is not None:
             req.finish_reason = reason
             self.scheduler.finish(req)
+
+    # ---- pinned segments -------------------------------------------------------------------
+    def pin(self, segments: "list[Segment | str]", namespace: str = "") -> Request:
+        """Queue the encoding of standalone segments that stay cached (never evicted) until
+        unpinned. Each is pinned under its key (its text if no key is given)."""
+        segs = [s if isinstance(s, Segment) else Segment(text=s, kind="plus") for s in segments]
+        if any(s.kind != "plus" for s in segs):
+            raise ValueError("only plus (standalone) segments can be pinned")
+        need = sum(-(-len(self.encode(s.text) if s.text is not None else s.token_ids) // self.block_size) for s in segs)
+        held = sum(len(b) for b in self.pinned.values())
+        limit = int(self.pin_fraction * self.pool.num_blocks)
+        if held + need > limit:
+            raise ValueError(f"pinning needs {need} blocks but only {limit - held} of the pin budget "
+                             f"({self.pin_fraction:.0%} of {self.pool.num_blocks}) are left; unpin something "
+                             "or raise pin_fraction")
+        return self.add_request(segs, SamplingParams(max_tokens=1), namespace=namespace, policy="none",
+                                encode_only=True)
+
+    def _pin(self, req: Request) -> None:
+        self.manager.publish(req, tail=True)
+        for u, p in zip(req.units, req.pieces):
+            name = p.key if p.key is not None else self._detok(list(p.tokens))
+            for b in u.blocks:
+                self.pool.acquire(b)
+            old = self.pinned.pop((req.namespace, name), None)
+            self.pinned[(req.namespace, name)] = list(u.blocks)
+            for b in old or []:
+                self.pool.release(b)
+        req.finish_reason = "stop"
+        self.scheduler.finish(req)
+
+    def unpin(self, key: str, namespace: str = "") -> bool:
+        blocks = self.pinned.pop((namespace, key), None)
+        for b in blocks or []:
+            self.pool.release(b)
+        return blocks is not None
 
     def _detok(self, ids: list[int]) -> str:
         if self.tokenizer is None:

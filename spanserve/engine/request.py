@@ -10,6 +10,7 @@ import torch
 
 from spanserve.cache.block_pool import Block
 from spanserve.cache.table import Entry, key_slots
+from spanserve.engine.layout import Piece
 from spanserve.engine.sampling import SamplingParams, TokenLogprobs
 
 
@@ -32,6 +33,7 @@ class Task:
     todo: list[int]
     block_size: int
     sample: bool = False  # sample from the logits of the last position of `tokens`
+    main: bool = False  # a task on the request's own (main) row
     anchor_end: int | None = None  # plus-segment mask form; None = causal
     seg_start: int | None = None
     _slots: list[int] | None = field(default=None, repr=False)
@@ -54,8 +56,9 @@ class Request:
     params: SamplingParams
     namespace: str = ""
     generator: torch.Generator | None = None
-    layout: Any = None  # span layout (list of segments); None = one plain causal prompt
-    policy: Any = None
+    pieces: list[Piece] = field(default_factory=list)  # resolved layout; empty = one plain prompt
+    policy_name: str = "none"
+    encode_only: bool = False  # pin requests: encode the plus units, sample nothing
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -66,11 +69,19 @@ class Request:
     first_token_time: float | None = None
     # cache state, owned by the cache manager while the request holds blocks
     tasks: list[Task] = field(default_factory=list)
+    units: list[Any] = field(default_factory=list)  # cache.manager.Unit, owned by the cache manager
     held: list[Block] = field(default_factory=list)
-    chain_keys: list[int] = field(default_factory=list)
-    to_publish: list[int] = field(default_factory=list)  # main-table blocks not yet offered to the index
     reuse: dict[str, int] = field(default_factory=lambda: {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0})
     num_preemptions: int = 0
+
+    def current_pieces(self) -> list[Piece]:
+        """The layout as it stands: generated tokens extend the final cross piece (a preempted
+        request is readmitted with its output as part of the prompt)."""
+        pieces = self.pieces or [Piece("cross", tuple(self.prompt_token_ids), 0)]
+        if not self.output_token_ids:
+            return list(pieces)
+        last = pieces[-1]
+        return list(pieces[:-1]) + [Piece(last.kind, last.tokens + tuple(self.output_token_ids), last.start)]
 
     @property
     def all_token_ids(self) -> list[int]:

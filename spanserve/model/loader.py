@@ -43,6 +43,8 @@ _GGUF_BLOCK = {
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# (config, HF-named weights, tokenizer) as produced by each source-specific reader.
+_Parts = tuple[ModelConfig, dict[str, torch.Tensor], "transformers.PreTrainedTokenizerBase | None"]
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -100,9 +102,6 @@ def load_model(
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
 
 
-# ---------------------------------------------------------------------------- resolving
-
-
 def _smollm2_path() -> Path:
     # find_spec on a top-level package does not execute its __init__, which imports
     # llama_cpp and llm; those are deliberately not installed (--no-deps).
@@ -142,12 +141,8 @@ def _safetensors_files(path: Path) -> list[Path]:
     return sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("consolidated"))
 
 
-# ---------------------------------------------------------------------------- HF directory
 
-
-def _load_hf_dir(
-    path: Path,
-) -> tuple[ModelConfig, dict[str, torch.Tensor], "transformers.PreTrainedTokenizerBase | None"]:
+def _load_hf_dir(path: Path) -> _Parts:
     from safetensors.torch import load_file
 
     try:
@@ -182,8 +177,6 @@ def _merge_generation_eos(config: ModelConfig, gen_path: Path) -> ModelConfig:
     return dataclasses.replace(config, eos_token_ids=merged)
 
 
-# ---------------------------------------------------------------------------- GGUF
-
 
 def _meta(reader: "GGUFReader", key: str, default: Any = None) -> Any:
     # Decoded by hand rather than ReaderField.contents(), which older gguf releases lack.
@@ -202,9 +195,7 @@ def _meta(reader: "GGUFReader", key: str, default: Any = None) -> Any:
     return values if field.types[0] == GGUFValueType.ARRAY else values[0]
 
 
-def _load_gguf(
-    path: Path,
-) -> tuple[ModelConfig, dict[str, torch.Tensor], "transformers.PreTrainedTokenizerBase | None"]:
+def _load_gguf(path: Path) -> _Parts:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -289,6 +280,7 @@ def _gguf_config(reader: "GGUFReader", path: Path, raw: dict[str, torch.Tensor])
         rope_theta=theta,
         rope_scaling=_gguf_rope_scaling(reader, gguf_arch, raw, theta, path),
         max_position_embeddings=int(arch_meta("context_length", 2048)),
+        # llama.cpp drops output.weight when it would duplicate token_embd.
         tie_word_embeddings="output.weight" not in raw,
         attention_bias="blk.0.attn_q.bias" in raw,
         qk_norm="blk.0.attn_q_norm.weight" in raw,
@@ -351,10 +343,8 @@ def _llama3_from_factors(
         "original_max_position_embeddings": orig,
     }
     # Refuse rather than run with subtly wrong positions if the divisors are not llama3's.
-    smooth = (orig / wavelen - params["low_freq_factor"]) / (
-        params["high_freq_factor"] - params["low_freq_factor"]
-    )
-    smooth = smooth.clamp(0.0, 1.0)
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    smooth = ((orig / wavelen - low) / (high - low)).clamp(0.0, 1.0)
     predicted = 1 / ((1 - smooth) / params["factor"] + smooth)
     if not torch.allclose(predicted, f, rtol=1e-3):
         raise ValueError(f"{path}: rope_freqs does not follow the llama3 scaling rule")
@@ -371,18 +361,13 @@ def _gguf_tokenizer(reader: "GGUFReader", path: Path) -> "transformers.PreTraine
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(path.parent), gguf_file=path.name, local_files_only=True
-        )
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:  # conversion errors are opaque; say which file and why
         raise ValueError(f"{path}: could not build a tokenizer from GGUF metadata: {e}") from e
     template = _meta(reader, "tokenizer.chat_template")
     if template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template
     return tokenizer
-
-
-# ---------------------------------------------------------------------------- validation
 
 
 def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -420,11 +405,8 @@ def _validate(config: ModelConfig, weights: dict[str, torch.Tensor], source: str
     expected = _expected_shapes(config)
     missing = sorted(expected.keys() - weights.keys())
     unexpected = sorted(weights.keys() - expected.keys())
-    wrong = [
-        f"{k}: {tuple(weights[k].shape)} != {v}"
-        for k, v in expected.items()
-        if k in weights and tuple(weights[k].shape) != v
-    ]
+    wrong = [f"{k}: {tuple(weights[k].shape)} != {v}" for k, v in expected.items()
+             if k in weights and tuple(weights[k].shape) != v]
     problems = [
         f"{label} ({len(items)}): {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}"
         for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))

@@ -1,0 +1,91 @@
+"""The oracle: span semantics computed densely in float64 — no paging, no cache, no deltas.
+
+A plus piece's K/V are its standalone encoding (anchor tokens then the piece, causal, at local
+positions), with K re-rotated to the piece's logical positions; every other token is computed
+in one causal pass over the whole prompt at logical positions, reading those fixed K/V."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from spanserve.engine.layout import Piece
+from spanserve.model.config import ModelConfig
+from spanserve.model.layers import rope_inv_freq
+
+
+class Dense:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+        self.c = config
+        self.w = {k: v.double() for k, v in weights.items()}
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).double()
+
+    def _norm(self, x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.c.rms_norm_eps))
+
+    def _rope(self, x, pos):  # x [N, heads, D]
+        ang = pos.double()[:, None] * self.inv_freq[None]
+        cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+    def forward(self, tokens, positions, mask, fixed=None):
+        """tokens/positions [N]; mask [N, N] bool (query row sees key column); fixed: layer ->
+        (k_raw [N, KVH, D] before RoPE, v, which [N] bool) overriding those positions' K/V.
+        Returns (final hidden [N, hidden], per-layer (k_raw, v))."""
+        c, w = self.c, self.w
+        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+        N = len(tokens)
+        h = w["model.embed_tokens.weight"][torch.tensor(tokens)]
+        pos = torch.tensor(positions)
+        kvs = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            x = self._norm(h, w[p + "input_layernorm.weight"])
+            q = F.linear(x, w[a + "q_proj.weight"], w.get(a + "q_proj.bias")).view(N, H, D)
+            k = F.linear(x, w[a + "k_proj.weight"], w.get(a + "k_proj.bias")).view(N, KVH, D)
+            v = F.linear(x, w[a + "v_proj.weight"], w.get(a + "v_proj.bias")).view(N, KVH, D)
+            if c.qk_norm:
+                q, k = self._norm(q, w[a + "q_norm.weight"]), self._norm(k, w[a + "k_norm.weight"])
+            if fixed is not None:
+                fk, fv, which = fixed[i]
+                k = torch.where(which[:, None, None], fk, k)
+                v = torch.where(which[:, None, None], fv, v)
+            kvs.append((k, v))
+            qr, kr = self._rope(q, pos), self._rope(k, pos)
+            kr = kr.repeat_interleave(H // KVH, dim=1)
+            vv = v.repeat_interleave(H // KVH, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", qr, kr) / D ** 0.5
+            scores = scores.masked_fill(~mask[None], float("-inf"))
+            o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv).reshape(N, H * D)
+            h = h + F.linear(o, w[a + "o_proj.weight"])
+            x = self._norm(h, w[p + "post_attention_layernorm.weight"])
+            h = h + F.linear(F.silu(F.linear(x, w[p + "mlp.gate_proj.weight"])) * F.linear(x, w[p + "mlp.up_proj.weight"]),
+                             w[p + "mlp.down_proj.weight"])
+        return self._norm(h, w["model.norm.weight"]), kvs
+
+    def logits(self, hidden):
+        head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
+        return F.linear(hidden, head)
+
+    def span_logits(self, pieces: list[Piece], generated: list[int] = ()) -> torch.Tensor:
+        """Logits of the last token of prompt + generated under span semantics."""
+        tokens = [t for p in pieces for t in p.tokens] + list(generated)
+        N = len(tokens)
+        causal = torch.ones(N, N, dtype=torch.bool).tril()
+        c = self.c
+        fk = [torch.zeros(N, c.num_kv_heads, c.head_dim, dtype=torch.float64) for _ in range(c.num_layers)]
+        fv = [torch.zeros_like(x) for x in fk]
+        which = torch.zeros(N, dtype=torch.bool)
+        for p in pieces:
+            if p.kind != "plus":
+                continue
+            a, L = p.anchor_len, len(p.tokens)
+            local = tokens[:a] + list(p.tokens)
+            _, kvs = self.forward(local, list(range(a + L)), torch.ones(a + L, a + L, dtype=torch.bool).tril())
+            for i, (k, v) in enumerate(kvs):
+                fk[i][p.start:p.end] = k[a:]
+                fv[i][p.start:p.end] = v[a:]
+            which[p.start:p.end] = True
+        hidden, _ = self.forward(tokens, list(range(N)), causal, [(fk[i], fv[i], which) for i in range(c.num_layers)])
+        return self.logits(hidden[-1])
