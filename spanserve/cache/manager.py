@@ -54,10 +54,17 @@ def computed_upto(tasks: list[Task]) -> int:
 
 
 class CacheManager:
-    def __init__(self, pool: BlockPool, storage: KVStorage, block_size: int):
+    def __init__(self, pool: BlockPool, storage: KVStorage, block_size: int,
+                 reposition: str = "deferred", rotary: object = None):
+        if reposition not in ("deferred", "eager"):
+            raise ValueError(f"reposition must be 'deferred' or 'eager', got {reposition!r}")
         self.pool = pool
         self.storage = storage
         self.block_size = block_size
+        # eager: a fully hit segment at a new position is copied into private blocks rotated
+        # there (SparseX, LMCache, CIDRA); deferred (default): one copy, rotated when read.
+        self.reposition = reposition
+        self.rotary = rotary
 
     # ---- lookup ---------------------------------------------------------------------------
     def _probe_partial(self, parent: int, toks: list[int], longest: int) -> tuple[Block | None, int]:
@@ -124,7 +131,10 @@ class CacheManager:
         touched = [b for plan in plans for s in plan for b in (s.shared, s.src) if b is not None]
         for b in touched:  # hold hits and copy sources so allocation cannot evict them
             self.pool.acquire(b)
+        eager = [i for i, (u, plan) in enumerate(zip(units, plans)) if self.reposition == "eager"
+                 and u.plus and u.delta and all(s.shared is not None for s in plan)]
         n_fresh = sum(1 for plan in plans for s in plan if s.shared is None)
+        n_fresh += sum(len(plans[i]) for i in eager)
         if self.pool.num_free < n_fresh:
             for b in touched:
                 self.pool.release(b)
@@ -153,11 +163,23 @@ class CacheManager:
                 reuse[kind] += got
                 contiguous = contiguous and got == n_tok
             reuse["computed"] += len(u.todo)
+        for i in eager:
+            self._reposition(req, units[i])
         if req.num_preemptions == 0:  # a resumed request reports how it was first served
             req.reuse = reuse
         req.units = units
         req.tasks = self._tasks(req, units)
         return True
+
+    def _reposition(self, req: Request, u: Unit) -> None:
+        """Replace a hit segment's shared blocks by private copies rotated to its position."""
+        copies = [self.pool.allocate() for _ in u.blocks]
+        self.storage.copy_rotated([b.id for b in u.blocks], [b.id for b in copies], u.delta, self.rotary)
+        for b in u.blocks:
+            req.held.remove(b)
+            self.pool.release(b)
+        req.held.extend(copies)
+        u.blocks, u.local_start = copies, u.start
 
     def _tasks(self, req: Request, units: list[Unit]) -> list[Task]:
         """Main-row work before the first plus unit, then each plus unit's encoding (it may read

@@ -22,6 +22,19 @@ class KVStorage:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
 
+    def copy_rotated(self, src: list[int], dst: list[int], delta: int, rotary) -> None:
+        """Eager repositioning: copy whole blocks src -> dst, turning K's rotation by `delta`
+        (RoPE composes, so a key stored at local position p then reads as p + delta)."""
+        from spanserve.model.layers import apply_rotary
+
+        s, d = torch.tensor(src, device=self.k.device), torch.tensor(dst, device=self.k.device)
+        k = self.k[:, s]  # [L, n, bs, KVH, D]
+        cos, sin = rotary.cos_sin(torch.tensor([delta], device=self.k.device), torch.float32)
+        flat = k.reshape(-1, *k.shape[-2:]).float()
+        rot = apply_rotary(flat, cos.expand(flat.shape[0], -1), sin.expand(flat.shape[0], -1))
+        self.k[:, d] = rot.view_as(k).to(self.k.dtype)
+        self.v[:, d] = self.v[:, s]
+
     def copy(self, src: int, dst: int, n: int) -> None:
         """Copy the first n slots of block src into block dst, every layer (copy on write)."""
         self.k[:, dst, :n] = self.k[:, src, :n]

@@ -48,6 +48,7 @@ class LLMEngine:
         backend: AttentionBackend | None = None,
         default_policy: str | Policy = "none",
         pin_fraction: float = 0.5,
+        reposition: str = "deferred",
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -74,7 +75,7 @@ class LLMEngine:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.storage = KVStorage(self.config, num_blocks, block_size, self.dtype, self.device)
-        self.manager = CacheManager(self.pool, self.storage, block_size)
+        self.manager = CacheManager(self.pool, self.storage, block_size, reposition, self.model.rotary)
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.storage, backend or ReferenceBackend())
         self.sampler = Sampler()
