@@ -1,0 +1,107 @@
+"""Planner: a generation's (evaluated) input becomes an engine span layout.
+
+Each message is rendered by the model's chat template on its own, so a message's tokens are the
+same wherever it appears (a requirement for reusing it at another position); a plus child
+becomes a plus segment; an evaluated inner generation contributes its exact prompt and output
+token ids, which are what its finished request left in the cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from spanserve.engine.layout import Segment
+
+from .ir import Cross, Group, Message, Node, Par, Plus, Seq
+
+
+@dataclass(frozen=True)
+class Done(Node):
+    """An executed inner generation, standing for its whole conversation."""
+
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    text: str
+    input: Node  # the evaluated input, for the closure
+
+
+_PROBE = {"role": "system", "content": "-"}
+
+
+class Planner:
+    def __init__(self, tokenizer: Any, anchor: str = "none"):
+        if anchor not in ("none", "prefix"):
+            raise ValueError(f"anchor must be 'none' or 'prefix', got {anchor!r}")
+        self.tok = tokenizer
+        self.anchor = anchor
+        self.templated = bool(getattr(tokenizer, "chat_template", None))
+
+    def _render(self, msgs: list[dict[str, str]], gen: bool = False) -> str:
+        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+    def turn(self, m: Message) -> str:
+        """A message's text as the template renders it anywhere but first: the template's
+        output for [probe, m] minus its output for [probe]."""
+        if not self.templated:
+            return f"{m.role}: {m.text}\n"
+        msg = {"role": m.role, "content": m.text}
+        return self._render([_PROBE, msg])[len(self._render([_PROBE])):]
+
+    def preamble(self, first: Message) -> str:
+        """What the template puts before a leading message (e.g. a default system prompt)."""
+        if not self.templated:
+            return ""
+        whole = self._render([{"role": first.role, "content": first.text}])
+        return whole[: len(whole) - len(self.turn(first))]
+
+    def generation_prompt(self) -> str:
+        if not self.templated:
+            return "assistant:"
+        return self._render([_PROBE], gen=True)[len(self._render([_PROBE])):]
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def _tokens(self, parts: list[Node]) -> list[int]:
+        out: list[int] = []
+        for p in parts:
+            out += list(p.prompt_ids) + list(p.output_ids) if isinstance(p, Done) else self._encode(self.turn(p))
+        return out
+
+    def layout(self, input: Node) -> list[Segment]:
+        items = _items(input, "cross")
+        if not items:
+            raise ValueError("a generation's input has no messages")
+        segs: list[Segment] = []
+        first = items[0][1][0]
+        if isinstance(first, Message) and (pre := self.preamble(first)):
+            segs.append(Segment(token_ids=self._encode(pre)))
+        for kind, parts in items:
+            ids = self._tokens(parts)
+            if not ids:
+                continue
+            if kind == "plus":
+                anchor = "none" if any(isinstance(p, Done) for p in parts) or not segs else self.anchor
+                segs.append(Segment(token_ids=ids, kind="plus", anchor=anchor))
+            else:
+                segs.append(Segment(token_ids=ids))
+        segs.append(Segment(token_ids=self._encode(self.generation_prompt())))
+        return segs
+
+
+def _items(node: Node, kind: str) -> list[tuple[str, list[Node]]]:
+    """Flatten an input into (kind, parts) runs: a plus child is one standalone unit."""
+    if isinstance(node, (Message, Done)):
+        return [(kind, [node])]
+    if isinstance(node, (Plus, Par)):
+        out = []
+        for c in node.children:
+            parts = [p for _, ps in _items(c, "cross") for p in ps]
+            if parts:
+                out.append(("plus", parts))
+        return out
+    if isinstance(node, (Cross, Seq)):
+        return [it for c in node.children for it in _items(c, kind)]
+    if isinstance(node, Group):
+        return [it for c in node.children for it in _items(c, kind)]
+    raise ValueError(f"cannot plan a {type(node).__name__} inside a generation's input; "
+                     "it must be evaluated first")
