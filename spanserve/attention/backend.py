@@ -15,14 +15,23 @@ class AttentionBackend(ABC):
     def prepare(self, plan: AttentionPlan, rotary: Rotary, block_size: int) -> Any:
         """Turn the step's plan into whatever the backend reuses across layers."""
 
+    def forward(self, prepared: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Write this step's K/V into the cache, then attend every row; returns [T, H*D]."""
+        self.write(prepared, k, v, k_cache, v_cache)
+        return self.attend(prepared, q, k_cache, v_cache)
+
     @abstractmethod
-    def forward(
+    def write(self, prepared: Any, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor) -> None:
+        """Scatter this step's K ([T, KVH, D], rotated by local position) and V into the cache."""
+
+    @abstractmethod
+    def attend(
         self,
         prepared: Any,
         q: torch.Tensor,  # [T, H, D], rotated by its position
-        k: torch.Tensor,  # [T, KVH, D], rotated by its local position
-        v: torch.Tensor,  # [T, KVH, D]
         k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D] for this layer
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """Write this step's K/V into the cache, then attend every row; returns [T, H*D]."""
+        """Attend every row over the cache (this step's K/V already written); [T, H*D]."""

@@ -48,3 +48,18 @@ class AttentionPlan:
         if row.anchor_end is not None:
             mask |= k < row.anchor_end[:, None]
         return mask
+
+    def select(self, idx: torch.Tensor) -> "AttentionPlan":
+        """The plan restricted to the tokens at sorted flat indices `idx` (a per-layer active
+        set). Rows keep their key tables; rows left without queries are dropped."""
+        rows = []
+        for r in self.rows:
+            a = int(torch.searchsorted(idx, r.q_start))
+            b = int(torch.searchsorted(idx, r.q_end))
+            if a == b:
+                continue
+            local = idx[a:b] - r.q_start
+            rows.append(Row(a, b, r.q_pos[local], r.key_slots, r.key_delta,
+                            None if r.anchor_end is None else r.anchor_end[local],
+                            None if r.seg_start is None else r.seg_start[local]))
+        return AttentionPlan(rows, self.positions[idx], self.write_slots[idx])

@@ -66,14 +66,17 @@ class ReferenceBackend(AttentionBackend):
             cos, sin = cos.view(B, N, -1), sin.view(B, N, -1)
         return _Group(q_index, q_valid, slots, mask, cos, sin)
 
-    def forward(self, prepared: _Prepared, q, k, v, k_cache, v_cache) -> torch.Tensor:
+    def write(self, prepared: _Prepared, k, v, k_cache, v_cache) -> None:
+        KVH, D = k.shape[1:]
+        k_cache.view(-1, KVH, D)[prepared.write_slots] = k
+        v_cache.view(-1, KVH, D)[prepared.write_slots] = v
+
+    def attend(self, prepared: _Prepared, q, k_cache, v_cache) -> torch.Tensor:
         T, H, D = q.shape
-        KVH = k.shape[1]
+        KVH = k_cache.shape[2]
         g = H // KVH
         k_flat = k_cache.view(-1, KVH, D)
         v_flat = v_cache.view(-1, KVH, D)
-        k_flat[prepared.write_slots] = k
-        v_flat[prepared.write_slots] = v
         out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
         for grp in prepared.groups:
             B, nq = grp.q_index.shape

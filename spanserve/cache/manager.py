@@ -11,6 +11,7 @@ from spanserve.cache.storage import KVStorage
 from spanserve.cache.table import Entry
 from spanserve.engine.layout import Piece
 from spanserve.engine.request import Request, Task
+from spanserve.reuse.recompute import RecomputeSpec
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Unit:
     fresh: list[int] = field(default_factory=list)  # block indices this request publishes
     todo: list[int] = field(default_factory=list)  # unit-relative positions to compute
     task: Task | None = None  # encode task of a plus unit with holes
+    source: "Unit | None" = None  # under a selective policy: the shared segment this run recomputes
 
     @property
     def delta(self) -> int:
@@ -107,19 +109,26 @@ class CacheManager:
         units: list[Unit] = []
         link = plain
         prefix = list(pieces[0].tokens) if pieces[0].kind == "cross" else []
+        selective = req.policy is not None and req.policy.selective
+        policy_key = req.policy.key if req.policy is not None else "none"
+        bs = self.block_size
         for i, p in enumerate(pieces):
             final = i == len(pieces) - 1 and not req.encode_only
             toks = list(p.tokens)
+            seg = None
             if p.kind == "plus":
                 # anchor none: exactly a plain causal encoding, so finished generations hit it
                 seed = plain if p.anchor_len == 0 else hashing.seed(ns, "anchor", prefix[: p.anchor_len])
-                u = Unit(seed, p.start, p.anchor_len, True, final, toks)
-            else:
-                u = Unit(link, p.start, p.start, False, final, toks)
-            u.keys = hashing.chain_keys(u.seed, toks, self.block_size)
+                seg = Unit(seed, p.start, p.anchor_len, True, final, toks)
+                seg.keys = hashing.chain_keys(seed, toks, bs)
+            if seg is not None and not selective:
+                u = seg
+            else:  # the request's own run; a recomputed segment's KV is request-specific too
+                u = Unit(link, p.start, p.start, False, final, toks, source=seg)
+                u.keys = hashing.chain_keys(link, toks, bs)
             # whatever follows depends on this unit's content and place: chain it into the link
-            digest = hashing.chain_keys(u.seed, toks, self.block_size, include_partial=True)[-1]
-            link = hashing.seed(ns, "span", str(req.policy_name), link, digest, p.start, p.anchor_len)
+            digest = hashing.chain_keys(u.seed, toks, bs, include_partial=True)[-1]
+            link = hashing.seed(ns, "span", policy_key, link, digest, p.start, p.anchor_len)
             units.append(u)
         return units
 
@@ -128,6 +137,16 @@ class CacheManager:
         cannot hold it now."""
         units = self._units(req, req.current_pieces())
         plans = [self._plan_unit(u.seed, u.tokens, u.keys, u.final) for u in units]
+        sources: list[Unit] = []
+        if any(u.source is not None for u in units) and not _all_hit(units, plans, self.block_size):
+            # The policy recomputes from the shared copies: every run from the first recomputed
+            # segment on is produced by one selective forward, into fresh private blocks.
+            first = next(i for i, u in enumerate(units) if u.source is not None)
+            for i in range(first, len(units)):
+                plans[i] = [_Slot() for _ in plans[i]]
+            sources = [u.source for u in units if u.source is not None]
+        units_all = units + sources
+        plans += [self._plan_unit(u.seed, u.tokens, u.keys, False) for u in sources]
         touched = [b for plan in plans for s in plan for b in (s.shared, s.src) if b is not None]
         for b in touched:  # hold hits and copy sources so allocation cannot evict them
             self.pool.acquire(b)
@@ -143,7 +162,7 @@ class CacheManager:
         reuse = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0}
         contiguous = True
         bs = self.block_size
-        for u, plan in zip(units, plans):
+        for u, plan in zip(units_all, plans):
             for i, s in enumerate(plan):
                 n_tok = min(bs, len(u.tokens) - i * bs)
                 if s.shared is not None:
@@ -162,13 +181,15 @@ class CacheManager:
                 kind = "segment" if u.plus else ("prefix" if contiguous else "perforated")
                 reuse[kind] += got
                 contiguous = contiguous and got == n_tok
-            reuse["computed"] += len(u.todo)
+            if u.source is None or not sources:  # a recomputed run is counted by its source
+                reuse["computed"] += len(u.todo)
         for i in eager:
             self._reposition(req, units[i])
         if req.num_preemptions == 0:  # a resumed request reports how it was first served
             req.reuse = reuse
         req.units = units
-        req.tasks = self._tasks(req, units)
+        req.sources = sources
+        req.tasks = self._tasks(req, units, sources)
         return True
 
     def _reposition(self, req: Request, u: Unit) -> None:
@@ -181,20 +202,20 @@ class CacheManager:
         req.held.extend(copies)
         u.blocks, u.local_start = copies, u.start
 
-    def _tasks(self, req: Request, units: list[Unit]) -> list[Task]:
+    def _tasks(self, req: Request, units: list[Unit], sources: list[Unit]) -> list[Task]:
         """Main-row work before the first plus unit, then each plus unit's encoding (it may read
         that prefix as its anchor), then the rest of the main row (it reads the segments)."""
         bs = self.block_size
         entries = self.entries(units)
         tokens = [t for u in units for t in u.tokens]
-        first_plus = next((i for i, u in enumerate(units) if u.plus), len(units))
+        first_plus = next((i for i, u in enumerate(units) if u.plus or u.source is not None), len(units))
         before = [u.start + p for u in units[:first_plus] for p in u.todo]
         after = [u.start + p for u in units[first_plus:] if not u.plus for p in u.todo]
         tasks: list[Task] = []
         if first_plus < len(units) and before:
             tasks.append(Task(tokens, entries, before, bs, main=True))
         anchor_entries = entries[: sum(len(u.blocks) for u in units[:first_plus])]
-        for u in units:
+        for u in units + sources:
             if u.plus and u.todo:
                 a = u.local_start
                 seg_entries = [Entry(b.id, 0, n) for b, n in zip(u.blocks, u.n_valid)]
@@ -202,7 +223,13 @@ class CacheManager:
                               [a + p for p in u.todo], bs)
                 tasks.append(u.task)
         main_todo = after if first_plus < len(units) else before
-        tasks.append(Task(tokens, entries, main_todo, bs, sample=not req.encode_only, main=True))
+        spec = None
+        if sources:
+            reused = [u.start + p for u in units if u.source is not None for p in range(len(u.tokens))]
+            src_slots = [b.id * bs + o for u in sources for b, n in zip(u.blocks, u.n_valid) for o in range(n)]
+            src_delta = [u.delta for u in sources for _ in u.tokens]
+            spec = RecomputeSpec(req.policy, reused, src_slots, src_delta)
+        tasks.append(Task(tokens, entries, main_todo, bs, sample=not req.encode_only, main=True, recompute=spec))
         return tasks
 
     @staticmethod
@@ -241,7 +268,7 @@ class CacheManager:
         main_tasks = [t for t in req.tasks if t.main]
         upto = computed_upto(main_tasks)
         bs = self.block_size
-        for u in req.units:
+        for u in req.units + req.sources:
             if u.final:
                 u.tokens = req.main.tokens[u.start:]
             if u.plus:
@@ -263,6 +290,27 @@ class CacheManager:
                 self.pool.register(u.blocks[i], key, toks)
             u.fresh = keep
 
+    def snapshot_prompt_tail(self, req: Request) -> None:
+        """Called once the prompt is fully computed, before generation writes into its last
+        block: cache a copy of that partial block under its exact tokens, so the same prompt
+        again (a retry, n > 1, a judge asked twice) finds all of it. One block copy per request."""
+        u = req.units[-1] if req.units else None
+        if u is None or not u.final or self.pool.num_free < 2:
+            return
+        bs = self.block_size
+        n_prompt = len(req.main.tokens) - u.start
+        i, n = (n_prompt - 1) // bs, (n_prompt - 1) % bs + 1
+        if n == bs:
+            return  # a full block is published under its full key anyway
+        toks = u.tokens[i * bs:i * bs + n]
+        key = hashing.block_key(u.keys[i - 1] if i else u.seed, toks)
+        if self.pool.lookup(key, toks) is not None:
+            return
+        b = self.pool.allocate()
+        self.storage.copy(u.blocks[i].id, b.id, n)
+        self.pool.register(b, key, toks)
+        self.pool.release(b)
+
     def release(self, req: Request) -> None:
         """Publish what the request computed, then drop its references; its blocks stay cached."""
         if req.tasks:
@@ -272,6 +320,17 @@ class CacheManager:
         req.held = []
         req.tasks = []
         req.units = []
+        req.sources = []
+
+
+def _all_hit(units: list[Unit], plans: list[list[_Slot]], bs: int) -> bool:
+    """The whole request chain is cached: only the final token is left to compute."""
+    for u, plan in zip(units, plans):
+        for i, s in enumerate(plan):
+            if s.shared is None and not (u.final and i == len(plan) - 1
+                                         and s.copy_n == min(bs, len(u.tokens) - i * bs) - 1):
+                return False
+    return True
 
 
 def _truncate(entries: list[Entry], n: int) -> list[Entry]:

@@ -133,7 +133,7 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(rid, ids, params, namespace=namespace, generator=make_generator(params.seed),
-                      pieces=pieces, policy_name=pol.name, **extra)
+                      pieces=pieces, policy=pol, **extra)
         self.requests[rid] = req
         self.scheduler.add(req)
         self.counters["prompt_tokens"] += len(ids)
@@ -187,6 +187,8 @@ class LLMEngine:
     def _append(self, req: Request, tok: int, lp: Any) -> None:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
+        if not req.output_token_ids:
+            self.manager.snapshot_prompt_tail(req)
         req.output_token_ids.append(tok)
         req.logprobs.append(lp)
         req.main.tokens.append(tok)
@@ -264,7 +266,7 @@ class LLMEngine:
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
         metrics = {"ttft": ttft, "prompt_tokens": len(req.prompt_token_ids),
                    "cached_tokens": req.num_cached_tokens, "reuse": dict(req.reuse),
-                   "preemptions": req.num_preemptions}
+                   "preemptions": req.num_preemptions, "recompute": dict(req.recompute_stats)}
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, text=req.text,
             token_ids=list(req.output_token_ids), finished=req.finished, finish_reason=req.finish_reason,

@@ -34,6 +34,7 @@ class Task:
     block_size: int
     sample: bool = False  # sample from the logits of the last position of `tokens`
     main: bool = False  # a task on the request's own (main) row
+    recompute: Any = None  # reuse.recompute.RecomputeSpec: a policy recomputes reused tokens
     anchor_end: int | None = None  # plus-segment mask form; None = causal
     seg_start: int | None = None
     _slots: list[int] | None = field(default=None, repr=False)
@@ -57,7 +58,7 @@ class Request:
     namespace: str = ""
     generator: torch.Generator | None = None
     pieces: list[Piece] = field(default_factory=list)  # resolved layout; empty = one plain prompt
-    policy_name: str = "none"
+    policy: Any = None  # reuse.policies.Policy; None = pure span semantics
     encode_only: bool = False  # pin requests: encode the plus units, sample nothing
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
@@ -70,6 +71,8 @@ class Request:
     # cache state, owned by the cache manager while the request holds blocks
     tasks: list[Task] = field(default_factory=list)
     units: list[Any] = field(default_factory=list)  # cache.manager.Unit, owned by the cache manager
+    sources: list[Any] = field(default_factory=list)  # shared segment units a policy recomputes from
+    recompute_stats: dict[str, int] = field(default_factory=dict)
     held: list[Block] = field(default_factory=list)
     reuse: dict[str, int] = field(default_factory=lambda: {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0})
     num_preemptions: int = 0

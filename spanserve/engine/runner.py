@@ -9,6 +9,7 @@ from spanserve.cache.storage import KVStorage
 from spanserve.cache.table import key_deltas
 from spanserve.engine.scheduler import Chunk
 from spanserve.model.llama import LlamaModel
+from spanserve.reuse.recompute import Recompute, RecomputeRow
 
 
 def build_plan(chunks: list[Chunk], block_size: int, device: torch.device) -> tuple[torch.Tensor, AttentionPlan, list[int]]:
@@ -57,11 +58,32 @@ class ModelRunner:
         self.k_caches = [storage.k[i] for i in range(n)]
         self.v_caches = [storage.v[i] for i in range(n)]
 
+    def _recompute_rows(self, chunks: list[Chunk], plan: AttentionPlan) -> list[RecomputeRow]:
+        out = []
+        for c, row in zip(chunks, plan.rows):
+            spec = c.recompute
+            if spec is None:
+                continue
+            reused = set(spec.reused)
+            dev = row.q_pos.device
+            out.append(RecomputeRow(
+                spec=spec,
+                flat=torch.arange(row.q_start, row.q_end, device=dev),
+                is_reused=torch.tensor([p in reused for p in c.positions], dtype=torch.bool, device=dev),
+                key_slots=row.key_slots, key_delta=row.key_delta, q_pos=row.q_pos,
+                decision_layer=spec.policy.decision_layer(self.model.config.num_layers),
+            ))
+        return out
+
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
         """Logits [n_sampled, vocab] (float32) and, per chunk, its row in them or -1."""
         ids, plan, sample_at = build_plan(chunks, self.storage.block_size, self.model.device)
-        hidden = self.model.forward(ids, plan, self.backend, self.k_caches, self.v_caches)
+        rows = self._recompute_rows(chunks, plan)
+        hooks = Recompute(rows, ids.numel(), self.model.rotary, self.storage.block_size) if rows else None
+        hidden = self.model.forward(ids, plan, self.backend, self.k_caches, self.v_caches, hooks)
+        for c, r in zip([c for c in chunks if c.recompute is not None], rows):
+            c.request.recompute_stats = r.stats
         picks = [i for i in sample_at if i >= 0]
         logits = self.model.logits(hidden[torch.tensor(picks, dtype=torch.long, device=hidden.device)])
         rows, k = [], 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from spanserve.cache.manager import CacheManager
 from spanserve.engine.request import Request, Status, Task
@@ -13,6 +14,7 @@ class Chunk:
     request: Request
     task: Task
     positions: list[int]  # row-space positions computed this step, ascending
+    recompute: Any = None  # reuse.recompute.RecomputeSpec for the one forward that recomputes
 
 
 @dataclass
@@ -39,7 +41,7 @@ class Scheduler:
         out = Schedule()
         budget = self.max_num_batched_tokens
         for req in list(self.running):
-            if budget == 0:
+            if budget <= 0:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this pass
@@ -63,11 +65,17 @@ class Scheduler:
     def _take(self, req: Request, budget: int, out: Schedule) -> int:
         used = 0
         for task in req.tasks:
-            if used == budget:
+            if used >= budget:
                 break
             n = min(len(task.todo), budget - used)
+            if task.recompute is not None and task.todo:
+                # a policy decides from the whole prompt at once: never split its forward
+                if n < len(task.todo) and used:
+                    break
+                n = len(task.todo)
             if n:
-                out.chunks.append(Chunk(req, task, task.todo[:n]))
+                out.chunks.append(Chunk(req, task, task.todo[:n], task.recompute))
+                task.recompute = None  # decodes that follow read the private KV as it is
                 del task.todo[:n]
                 used += n
         return used

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,17 @@ class _Layer:
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
+
+
+class LayerHooks(Protocol):
+    """Per-layer active sets for selective recomputation (see spanserve.reuse.recompute)."""
+
+    def active(self, layer: int) -> torch.Tensor | None:
+        """Sorted flat indices of the tokens computed at this layer; None = all."""
+
+    def after_write(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    idx: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Runs between the layer's K/V write and its attention."""
 
 
 class LlamaModel:
@@ -72,29 +84,47 @@ class LlamaModel:
         backend: AttentionBackend,
         k_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, KVH, D]
         v_caches: list[torch.Tensor],
+        hooks: LayerHooks | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden]."""
+        """Hidden states after the final norm, [T, hidden] (rows of tokens dropped from the
+        active set by `hooks` hold stale values)."""
         c = self.config
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
-        T = input_ids.numel()
         block_size = k_caches[0].shape[1]
-        prepared = backend.prepare(plan, self.rotary, block_size)
-        cos, sin = self.rotary.cos_sin(plan.positions, self.dtype)
+        cos_all, sin_all = self.rotary.cos_sin(plan.positions, self.dtype)
         h = self.embed[input_ids]
+        idx: torch.Tensor | None = None
+        prepared = backend.prepare(plan, self.rotary, block_size)
+        cos, sin = cos_all, sin_all
         for i, L in enumerate(self.layers):
-            x = rms_norm(h, L.input_norm, c.rms_norm_eps)
+            new_idx = hooks.active(i) if hooks is not None else None
+            if new_idx is not idx:  # the active set shrank: a sub-plan for the remaining tokens
+                idx = new_idx
+                sub = plan if idx is None else plan.select(idx)
+                prepared = backend.prepare(sub, self.rotary, block_size)
+                cos, sin = (cos_all, sin_all) if idx is None else (cos_all[idx], sin_all[idx])
+            hx = h if idx is None else h[idx]
+            T = hx.shape[0]
+            x = rms_norm(hx, L.input_norm, c.rms_norm_eps)
             qkv = F.linear(x, L.qkv, L.qkv_bias)
             q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
             q, k, v = q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
             if L.q_norm is not None:
                 q = rms_norm(q, L.q_norm, c.rms_norm_eps)
                 k = rms_norm(k, L.k_norm, c.rms_norm_eps)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            attn = backend.forward(prepared, q, k.contiguous(), v.contiguous(), k_caches[i], v_caches[i])
-            h = h + F.linear(attn, L.o)
-            x = rms_norm(h, L.post_norm, c.rms_norm_eps)
+            q, k, v = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin).contiguous(), v.contiguous()
+            backend.write(prepared, k, v, k_caches[i], v_caches[i])
+            if hooks is not None:
+                hooks.after_write(i, q, k, v, idx, k_caches[i], v_caches[i])
+            attn = backend.attend(prepared, q, k_caches[i], v_caches[i])
+            hx = hx + F.linear(attn, L.o)
+            x = rms_norm(hx, L.post_norm, c.rms_norm_eps)
             gate, up = F.linear(x, L.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, L.down)
+            hx = hx + F.linear(F.silu(gate) * up, L.down)
+            if idx is None:
+                h = hx
+            else:
+                h[idx] = hx
         return rms_norm(h, self.norm, c.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

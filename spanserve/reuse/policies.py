@@ -1,24 +1,122 @@
-"""Recomputation policies: which tokens are recomputed with full causal attention."""
+"""Recomputation policies: which reused tokens are recomputed with full causal attention.
+
+Every selective policy has the same shape: through a decision layer D every candidate token
+(reused or not) is recomputed; at D the policy scores the reused tokens and keeps some; above D
+only the kept ones and the non-reused ones are computed, and the others read their cached KV."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
 class Policy:
     """`none`: pure span semantics, nothing recomputed. `full`: everything read causally, exactly a
-    plain prompt of the same tokens. Selective policies subclass this."""
+    plain prompt of the same tokens."""
 
     name: str = "none"
 
     @property
-    def reads_causally(self) -> bool:
-        return self.name == "full"
+    def selective(self) -> bool:
+        return False
+
+    @property
+    def key(self) -> str:
+        """Enters the request's chain seed: different parameters give different KV."""
+        return repr(self)
 
 
 NONE = Policy("none")
 FULL = Policy("full")
-_BY_NAME = {"none": NONE, "full": FULL}
+
+
+@dataclass(frozen=True)
+class CacheBlend(Policy):
+    """Full recompute through `check_layer`, then the top `ratio` of reused tokens by KV
+    deviation (new vs cached, after aligning the cached key's rotation) (CacheBlend, LMCache)."""
+
+    ratio: float = 0.15
+    check_layer: int = 1
+    name: str = "cacheblend"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.ratio <= 1:
+            raise ValueError(f"CacheBlend ratio must be in [0, 1], got {self.ratio}")
+        if self.check_layer < 0:
+            raise ValueError(f"check_layer must be >= 0, got {self.check_layer}")
+
+    @property
+    def selective(self) -> bool:
+        return True
+
+    def decision_layer(self, num_layers: int) -> int:
+        return min(self.check_layer, num_layers - 1)
+
+    def select(self, deviation: torch.Tensor) -> torch.Tensor:
+        """deviation [n_reused] -> indices of the kept reused tokens."""
+        k = round(self.ratio * deviation.numel())
+        return torch.topk(deviation, k).indices if k else deviation.new_zeros(0, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class SparseQ(Policy):
+    """SparseX's Sparse-Q: layers below `boundary` recompute everything (the full+sparse hybrid;
+    0 disables it, None picks ~15% of the layers); at the boundary the non-reused queries' attention
+    (softmax over their causal rows, summed over queries and heads) ranks the reused keys; the
+    top-k stay, plus `overflow_blocks` blocks each side of every non-reused interval, plus the last
+    `tail` tokens when the prompt ends inside reused text."""
+
+    budget: float | None = 0.15
+    k: int | None = None
+    boundary: int | None = None
+    overflow_blocks: int = 1
+    tail: int = 64
+    name: str = "sparseq"
+
+    def __post_init__(self) -> None:
+        if self.k is None and (self.budget is None or not 0 <= self.budget <= 1):
+            raise ValueError(f"SparseQ needs budget in [0, 1] or k >= 0, got budget={self.budget}")
+        if self.k is not None and self.k < 0:
+            raise ValueError(f"SparseQ k must be >= 0, got {self.k}")
+        if self.boundary is not None and self.boundary < 0:
+            raise ValueError(f"boundary must be >= 0 or None, got {self.boundary}")
+
+    @property
+    def selective(self) -> bool:
+        return True
+
+    def decision_layer(self, num_layers: int) -> int:
+        b = round(0.15 * num_layers) if self.boundary is None else self.boundary
+        return min(b, num_layers - 1)
+
+    def select(self, scores: torch.Tensor, reused: torch.Tensor, block_size: int) -> torch.Tensor:
+        """scores [N] per position of the row (attention mass); reused [N] bool -> kept reused
+        positions (sorted)."""
+        n_reused = int(reused.sum())
+        k = self.k if self.k is not None else round(self.budget * n_reused)  # type: ignore[operator]
+        keep = torch.zeros_like(reused)
+        if k:
+            masked = torch.where(reused, scores, torch.full_like(scores, float("-inf")))
+            keep[torch.topk(masked, min(k, n_reused)).indices] = True
+        span = self.overflow_blocks * block_size
+        computed = ~reused
+        n = reused.numel()
+        if span:  # the reused neighbours of every non-reused interval (the boundary cases)
+            edges = computed.clone()
+            edges[1:] &= ~computed[:-1]  # interval starts
+            ends = computed.clone()
+            ends[:-1] &= ~computed[1:]  # interval ends
+            for s in edges.nonzero().flatten().tolist():
+                keep[max(0, s - span):s] = True
+            for e in ends.nonzero().flatten().tolist():
+                keep[e + 1:min(n, e + 1 + span)] = True
+        if bool(reused[-1]) and self.tail:
+            keep[max(0, n - self.tail):] = True
+        return (keep & reused).nonzero().flatten()
+
+
+_BY_NAME = {"none": NONE, "full": FULL, "cacheblend": CacheBlend(), "sparseq": SparseQ()}
 
 
 def resolve_policy(policy: "str | Policy | None", default: Policy = NONE) -> Policy:

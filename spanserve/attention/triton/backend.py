@@ -1,0 +1,180 @@
+"""TritonBackend: the CUDA attention backend, plus the launch wrappers for the KV write and the
+eager copy-and-rotate used to compare repositioning with deferred rotation."""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from spanserve.attention.backend import AttentionBackend
+from spanserve.attention.plan import AttentionPlan
+from spanserve.attention.triton.kernels import attention_kernel, kv_write_kernel, reposition_kernel, rotate_keys_kernel
+from spanserve.attention.triton.layout import NUM_FIELDS, Launch, Prerotation, StepLayout, build_layout
+from spanserve.model.layers import Rotary
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile shape of one of the two attention launches. BLOCK_M counts (token, head) pairs, so a
+    program holds BLOCK_M // G tokens; it is raised to a power of two >= G when G is larger."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Hopper defaults for head_dim 128 (H100: benchmarks/attention_kernels.py, docs/gpu_notes.md):
+# prefill tiles are compute-bound (wide M), decode tiles only have G useful rows, so they stay at
+# the 16-row minimum of a tensor-core dot.
+PREFILL = LaunchConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+DECODE = LaunchConfig(block_m=16, block_n=128, num_warps=4, num_stages=3)
+# Programs up to this many rows keep Q and swap(Q) in registers for the fused rotation.
+_KEEP_Q_ROWS = 32
+
+
+def _pow2_at_least(x: int, lo: int) -> int:
+    return max(lo, triton.next_power_of_2(x))
+
+
+class TritonBackend(AttentionBackend):
+    def __init__(self, prefill: LaunchConfig = PREFILL, decode: LaunchConfig = DECODE,
+                 prerotate_prefill: bool = True):
+        """`prerotate_prefill`: rotate the prefill launch's delta keys into scratch once per layer
+        (one extra pass over those keys) instead of rotating Q per span inside the kernel."""
+        self.prefill_cfg = prefill
+        self.decode_cfg = decode
+        self.prerotate_prefill = prerotate_prefill
+
+    def prepare(self, plan: AttentionPlan, rotary: Rotary, block_size: int) -> StepLayout:
+        return build_layout(plan, rotary.inv_freq)
+
+    def write(self, prepared: StepLayout, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor) -> None:
+        write_kv(k, v, k_cache, v_cache, prepared.write_slots)
+
+    def attend(self, prepared: StepLayout, q: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor) -> torch.Tensor:
+        """Attention alone, over a cache that already holds this step's K/V."""
+        T, H, D = q.shape
+        KVH = k_cache.shape[2]
+        G = H // KVH
+        if H != G * KVH:
+            raise ValueError(f"{H} query heads do not share {KVH} KV heads evenly")
+        out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
+        dec_m = _pow2_at_least(G, self.decode_cfg.block_m)
+        pre_m = _pow2_at_least(G, self.prefill_cfg.block_m)
+        small, big = prepared.launches(dec_m // G, self.decode_cfg.block_n, pre_m // G,
+                                       self.prefill_cfg.block_n, self.prerotate_prefill)
+        for launch, cfg, bm in ((big, self.prefill_cfg, pre_m), (small, self.decode_cfg, dec_m)):
+            if launch.desc.shape[0]:
+                # Held until the launch is queued: the kernel reads K rows from it.
+                scratch = None
+                if launch.prerotation is not None:
+                    scratch = rotate_keys(k_cache, launch.prerotation, prepared.inv_freq)
+                _launch_attention(prepared, launch, cfg, bm, q, k_cache, v_cache, out, G)
+                del scratch
+        return out
+
+
+def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_m: int,
+                      q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      out: torch.Tensor, G: int) -> None:
+    T, H, D = q.shape
+    KVH = k_cache.shape[2]
+    if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("q needs a unit last stride and the caches must be contiguous")
+    k_flat = k_cache.view(-1, KVH, D)
+    v_flat = v_cache.view(-1, KVH, D)
+    # The softmax runs in base 2: fold log2(e) into the score scale.
+    qk_scale = (1.0 / math.sqrt(D)) * 1.4426950408889634
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    pre = launch.prerotation
+    attention_kernel[(launch.desc.shape[0], KVH)](
+        q, k_flat, v_flat, out,
+        launch.desc, lay.key_slots, lay.key_slots if pre is None else pre.k_slots,
+        lay.q_pos, lay.anchor, lay.seg,
+        launch.tile_start, launch.tile_end, launch.tile_delta, lay.inv_freq,
+        q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), out.stride(0),
+        qk_scale,
+        G=G, D=D, BLOCK_M=block_m, BLOCK_N=cfg.block_n, NUM_FIELDS=NUM_FIELDS,
+        HAS_DELTA=launch.fused_delta, KEEP_Q=block_m <= _KEEP_Q_ROWS, K_SLOTS=pre is not None,
+        HAS_PLUS=lay.has_plus, PREC=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def rotate_keys(k_cache: torch.Tensor, pre: Prerotation, inv_freq: torch.Tensor) -> torch.Tensor:
+    """[n, KVH, D] scratch holding R(delta) K of the prerotated keys of one layer; points
+    pre.k_slots at it.
+
+    The attention kernel then reads every K row as k_cache + slot * row, scratch rows included:
+    the scratch is placed a whole number of rows away from k_cache (CUDA's flat address space makes
+    that offset addressable) and its rows get the slots beyond that distance."""
+    KVH, D = k_cache.shape[2], k_cache.shape[3]
+    n = pre.src_slots.numel()
+    W = KVH * D
+    esize = k_cache.element_size()
+    buf = torch.empty((n + 1) * W, dtype=k_cache.dtype, device=k_cache.device)
+    shift = (k_cache.data_ptr() - buf.data_ptr()) % (W * esize) // esize
+    out = buf[shift:shift + n * W].view(n, KVH, D)
+    slot0 = (out.data_ptr() - k_cache.data_ptr()) // (W * esize)  # may be far and negative: int64
+    block_kvh = triton.next_power_of_2(KVH)
+    # 32 (key, head) rows of D per program: more holds the fp32 halves in spilled registers.
+    block_k = max(1, 32 // block_kvh)
+    rotate_keys_kernel[(triton.cdiv(n, block_k),)](
+        k_cache, out, pre.src_slots, pre.delta, inv_freq, pre.key_pos, pre.k_slots, n, slot0, W,
+        KVH=KVH, D=D, BLOCK_K=block_k, BLOCK_KVH=block_kvh, num_warps=4,
+    )
+    return buf
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """k, v: [T, KVH, D]; caches [num_blocks, block_size, KVH, D]; token i goes to flat slot slots[i]."""
+    T = k.shape[0]
+    if T == 0:
+        return
+    k2, v2 = k.reshape(T, -1), v.reshape(T, -1)
+    if k2.stride(-1) != 1 or v2.stride(-1) != 1:
+        k2, v2 = k2.contiguous(), v2.contiguous()
+    W = k2.shape[1]
+    k_flat = k_cache.view(-1, W)
+    v_flat = v_cache.view(-1, W)
+    block_w = min(triton.next_power_of_2(W), 1024)
+    block_t = max(1, 2048 // block_w)
+    grid = (triton.cdiv(T, block_t), triton.cdiv(W, block_w))
+    kv_write_kernel[grid](k2, v2, k_flat, v_flat, slots, T, k2.stride(0), v2.stride(0), k_flat.stride(0),
+                          W=W, BLOCK_T=block_t, BLOCK_W=block_w, num_warps=4)
+
+
+Job = tuple[int, int, int, int]
+
+
+def reposition_blocks(k_cache_all_layers: torch.Tensor, v_cache_all_layers: torch.Tensor,
+                      jobs: Sequence[Job] | torch.Tensor, inv_freq: torch.Tensor) -> None:
+    """Copy the first n slots of block src into block dst in every layer, rotating K forward by
+    delta (src, dst, n, delta per job), all in one launch. Caches are
+    [num_layers, num_blocks, block_size, KVH, D], contiguous. A job may copy a block onto itself
+    (rotation in place); no job may write a block that another job of the same call reads."""
+    k, v = k_cache_all_layers, v_cache_all_layers
+    if not (k.is_contiguous() and v.is_contiguous()) or k.shape != v.shape:
+        raise ValueError("K and V caches must be contiguous and of one shape")
+    L, NB, BS, KVH, D = k.shape
+    jt = jobs if isinstance(jobs, torch.Tensor) else torch.tensor(list(jobs), dtype=torch.long).view(-1, 4)
+    if jt.numel() == 0:
+        return
+    jt = jt.to(device=k.device, dtype=torch.long)
+    # Per-job angles in float32 exactly as Rotary.cos_sin computes them; only the first half of D
+    # is kept since both halves of rotate-half RoPE share each frequency.
+    freqs = jt[:, 3].to(torch.float32)[:, None] * inv_freq.to(device=k.device, dtype=torch.float32)[None, :]
+    cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+    packed = torch.stack([jt[:, 0], jt[:, 1], jt[:, 2], (jt[:, 3] != 0).long()], dim=1).to(torch.int32).contiguous()
+    reposition_kernel[(jt.shape[0], L)](
+        k, v, packed, cos, sin, k.stride(0), k.stride(1),
+        KVH=KVH, D=D, BLOCK_S=triton.next_power_of_2(BS), BLOCK_H=triton.next_power_of_2(KVH * D // 2),
+        num_warps=8,
+    )

@@ -1,0 +1,228 @@
+"""Host-side preparation for the Triton kernels: turn an AttentionPlan into flat device arrays.
+
+The kernels never see per-key deltas. A row's keys are cut into *spans*, maximal runs of equal
+delta. Keys are gathered through a per-key slot list, which makes partial entries in the middle of
+a row free: they only shift which slots a tile gathers. Two ways to apply a span's rotation:
+
+- *fused* (decode launches, optionally prefill): tiles of at most BLOCK_N keys never cross a span,
+  each carries its span's delta, and a program rotates its queries when the delta changes
+  (q . R(d) k = R(-d) q . k), walking all its tiles in one flat, software-pipelined loop;
+- *prerotated* (prefill launches by default): before attention, each layer's keys of nonzero
+  spans are rotated once into a scratch buffer and the kernel reads K from there; tiles then
+  ignore spans. Rotating Q inside a 128-row program costs more than this one memory pass.
+
+Each program owns up to BLOCK_Q query tokens of one row and one KV head. Its descriptor carries
+the tile ranges it must visit, computed here once per step (not once per layer). The visible set
+of a block of queries is `[0, max anchor_end) U [min seg_start, max t]`; these two *parts* are
+disjoint once the second starts at `max(min seg_start, max anchor_end)`, and each part maps to a
+range of tiles by binary search.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from spanserve.attention.plan import AttentionPlan
+
+# Descriptor fields (int32, one row per program); the kernel reads them by these offsets.
+F_TOK0, F_TOK1, F_KEY_BASE = 0, 1, 2
+F_PART0 = 3  # klo, khi, tile_lo, tile_hi of part 0 (anchor prefix); part 1 follows at +4
+F_MIN_ANCHOR, F_MAX_SEG, F_MIN_T = 11, 12, 13
+NUM_FIELDS = 16  # padded so a descriptor row is 64 bytes
+
+
+@dataclass
+class _RowHost:
+    q_start: int
+    q_end: int
+    key_base: int
+    n_keys: int
+    span_starts: np.ndarray  # [S_row] key index where each span begins
+    span_ends: np.ndarray
+    span_delta: np.ndarray
+    q_pos: np.ndarray  # [nq]
+    anchor: np.ndarray
+    seg: np.ndarray
+
+
+@dataclass
+class Prerotation:
+    """Keys of one launch to rotate into scratch each layer: scratch row i holds
+    R(delta[i]) k[src_slots[i]], and k_slots[key_pos[i]] is rewritten to point at it."""
+
+    src_slots: torch.Tensor  # [n] int32
+    delta: torch.Tensor  # [n] int32
+    key_pos: torch.Tensor  # [n] int32 index into the step's key list
+    k_slots: torch.Tensor  # [sum keys] int64: K's slot of every key; scratch rows can be far
+
+
+@dataclass
+class Launch:
+    desc: torch.Tensor  # [P, NUM_FIELDS] int32, longest programs first
+    tile_start: torch.Tensor  # [n_tiles] int32 key index in the row
+    tile_end: torch.Tensor
+    tile_delta: torch.Tensor  # the tile's span delta (all zero unless fused)
+    fused_delta: bool  # some tile rotates: compile the rotating kernel
+    prerotation: Prerotation | None
+
+
+@dataclass
+class StepLayout:
+    """Everything `forward` needs that does not depend on the layer; built once per step."""
+
+    write_slots: torch.Tensor  # [T] long
+    key_slots: torch.Tensor  # [sum keys] int32, each row's slots in position order
+    q_pos: torch.Tensor  # [T] int32, indexed by flat token
+    anchor: torch.Tensor  # [T] int32 (0 for causal rows)
+    seg: torch.Tensor  # [T] int32 (0 for causal rows)
+    span_start: torch.Tensor  # [S] int32 key index in its row
+    span_end: torch.Tensor
+    span_delta: torch.Tensor
+    inv_freq: torch.Tensor  # [D/2] float32, the RoPE frequencies the kernels rotate with
+    has_delta: bool
+    has_plus: bool
+    rows: list[_RowHost]
+    _launches: dict[tuple[int, int, int, int, bool], tuple[Launch, Launch]] = field(default_factory=dict)
+
+    def launches(self, small_q: int, small_n: int, big_q: int, big_n: int,
+                 prerotate_big: bool) -> tuple[Launch, Launch]:
+        """The two launches: rows of at most `small_q` queries (decodes) get programs of `small_q`
+        tokens and tiles of `small_n` keys, fused rotation; the rest `big_q` and `big_n`, with
+        their rotation done beforehand when `prerotate_big`."""
+        key = (small_q, small_n, big_q, big_n, prerotate_big)
+        if key not in self._launches:
+            small = [r for r in self.rows if r.q_end - r.q_start <= small_q]
+            big = [r for r in self.rows if r.q_end - r.q_start > small_q]
+            self._launches[key] = (_describe(small, small_q, small_n, self, False),
+                                   _describe(big, big_q, big_n, self, prerotate_big and self.has_delta))
+        return self._launches[key]
+
+
+def _cat_host(parts: list[torch.Tensor]) -> np.ndarray:
+    # One device->host copy for all rows rather than one sync per row.
+    if not parts:
+        return np.zeros(0, dtype=np.int64)
+    return torch.cat([p.reshape(-1).long() for p in parts]).cpu().numpy()
+
+
+def build_layout(plan: AttentionPlan, inv_freq: torch.Tensor) -> StepLayout:
+    rows = plan.rows
+    dev = plan.write_slots.device
+    T = int(plan.positions.numel())
+    q_pos = _cat_host([r.q_pos for r in rows])
+    has_plus = any(r.anchor_end is not None or r.seg_start is not None for r in rows)
+    anchor = _cat_host([r.anchor_end if r.anchor_end is not None else torch.zeros_like(r.q_pos) for r in rows])
+    seg = _cat_host([r.seg_start if r.seg_start is not None else torch.zeros_like(r.q_pos) for r in rows])
+    deltas = _cat_host([r.key_delta for r in rows if r.key_delta is not None])
+
+    tok = np.zeros((3, T), dtype=np.int64)
+    host_rows: list[_RowHost] = []
+    q_off = d_off = key_base = 0
+    for r in rows:
+        nq, n = r.num_queries, r.num_keys
+        sl = slice(q_off, q_off + nq)
+        tok[:, r.q_start:r.q_end] = q_pos[sl], anchor[sl], seg[sl]
+        if r.key_delta is not None:
+            d = deltas[d_off:d_off + n]
+            d_off += n
+            cut = np.flatnonzero(np.diff(d)) + 1
+            starts = np.concatenate(([0], cut)).astype(np.int64)
+            ends = np.concatenate((cut, [n])).astype(np.int64)
+            span_delta = d[starts]
+        else:
+            starts, ends = np.array([0]), np.array([n])
+            span_delta = np.zeros(1, dtype=np.int64)
+        host_rows.append(_RowHost(r.q_start, r.q_end, key_base, n, starts, ends, span_delta,
+                                  q_pos[sl], anchor[sl], seg[sl]))
+        q_off += nq
+        key_base += n
+
+    def dev32(parts: list[np.ndarray]) -> torch.Tensor:
+        a = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return torch.from_numpy(a.astype(np.int32)).to(dev)
+
+    key_slots = torch.cat([r.key_slots for r in rows]) if rows else torch.zeros(0, dtype=torch.long, device=dev)
+    return StepLayout(
+        write_slots=plan.write_slots.to(device=dev, dtype=torch.long),
+        key_slots=key_slots.to(torch.int32),
+        q_pos=dev32([tok[0]]), anchor=dev32([tok[1]]), seg=dev32([tok[2]]),
+        span_start=dev32([r.span_starts for r in host_rows]), span_end=dev32([r.span_ends for r in host_rows]),
+        span_delta=dev32([r.span_delta for r in host_rows]),
+        inv_freq=inv_freq.to(device=dev, dtype=torch.float32).contiguous(),
+        has_delta=any(bool((r.span_delta != 0).any()) for r in host_rows),
+        has_plus=has_plus, rows=host_rows,
+    )
+
+
+def _tiles(r: _RowHost, bn: int, split: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tiles of at most bn keys, (start, end, delta); with `split` they never cross a span."""
+    s_start, s_end, s_delta = (r.span_starts, r.span_ends, r.span_delta) if split else (
+        np.array([0]), np.array([r.n_keys]), np.zeros(1, dtype=np.int64))
+    count = -(-(s_end - s_start) // bn)
+    span = np.repeat(np.arange(len(count)), count)
+    first = np.repeat(np.cumsum(count) - count, count)
+    start = s_start[span] + (np.arange(int(count.sum())) - first) * bn
+    return start, np.minimum(start + bn, s_end[span]), s_delta[span]
+
+
+def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate: bool) -> Launch:
+    dev = lay.key_slots.device
+    out: list[np.ndarray] = []
+    tiles: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    rot_keys: list[np.ndarray] = []
+    rot_delta: list[np.ndarray] = []
+    n_tiles = 0
+    for r in rows:
+        ts, te, td = _tiles(r, bn, split=not prerotate)
+        tiles.append((ts, te, td))
+        if prerotate:
+            for s, e, d in zip(r.span_starts, r.span_ends, r.span_delta):
+                if d != 0:
+                    rot_keys.append(np.arange(r.key_base + s, r.key_base + e))
+                    rot_delta.append(np.full(e - s, d))
+        nq = r.q_end - r.q_start
+        starts = np.arange(0, nq, bq)
+        max_t = np.maximum.reduceat(r.q_pos, starts)
+        min_t = np.minimum.reduceat(r.q_pos, starts)
+        max_a = np.maximum.reduceat(r.anchor, starts)
+        min_a = np.minimum.reduceat(r.anchor, starts)
+        max_s = np.maximum.reduceat(r.seg, starts)
+        min_s = np.minimum.reduceat(r.seg, starts)
+        d = np.zeros((len(starts), NUM_FIELDS), dtype=np.int64)
+        d[:, F_TOK0] = r.q_start + starts
+        d[:, F_TOK1] = np.minimum(r.q_start + starts + bq, r.q_end)
+        d[:, F_KEY_BASE] = r.key_base
+        parts = (
+            (np.zeros_like(max_a), np.minimum(max_a, r.n_keys)),
+            (np.maximum(min_s, max_a), np.minimum(max_t + 1, r.n_keys)),
+        )
+        for p, (klo, khi) in enumerate(parts):
+            khi = np.maximum(khi, klo)
+            jlo = np.searchsorted(te, klo, side="right")
+            jhi = np.maximum(np.searchsorted(ts, khi, side="left"), jlo)
+            jhi = np.where(khi > klo, jhi, jlo)
+            base = F_PART0 + 4 * p
+            d[:, base], d[:, base + 1] = klo, khi
+            d[:, base + 2], d[:, base + 3] = n_tiles + jlo, n_tiles + jhi
+        d[:, F_MIN_ANCHOR], d[:, F_MAX_SEG], d[:, F_MIN_T] = min_a, max_s, min_t
+        out.append(d)
+        n_tiles += len(ts)
+
+    def dev32(parts: list[np.ndarray]) -> torch.Tensor:
+        a = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return torch.from_numpy(a.astype(np.int32)).to(dev)
+
+    desc = np.concatenate(out) if out else np.zeros((0, NUM_FIELDS), dtype=np.int64)
+    # Longest programs first, so the causal tail does not run alone at the end of the launch.
+    work = (desc[:, F_PART0 + 1] - desc[:, F_PART0]) + (desc[:, F_PART0 + 5] - desc[:, F_PART0 + 4])
+    desc = desc[np.argsort(-work, kind="stable")]
+    tile_delta = dev32([t[2] for t in tiles])
+    pre = None
+    if rot_keys:
+        keys = torch.from_numpy(np.concatenate(rot_keys)).to(dev)
+        pre = Prerotation(lay.key_slots[keys].contiguous(), dev32(rot_delta), keys.to(torch.int32),
+                          lay.key_slots.long())
+    return Launch(dev32([desc]).view(-1, NUM_FIELDS), dev32([t[0] for t in tiles]), dev32([t[1] for t in tiles]),
+                  tile_delta, bool(any((t[2] != 0).any() for t in tiles)), pre)

@@ -1,0 +1,132 @@
+"""Selective recomputation inside one forward pass: per-layer active sets, the policy's decision
+at its layer, and the fill of skipped tokens' private slots from the shared cached copy."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from spanserve.model.layers import Rotary, apply_rotary
+from spanserve.reuse.policies import CacheBlend, Policy, SparseQ
+
+
+@dataclass
+class RecomputeSpec:
+    """Attached by the cache manager to a main task whose reused tokens a policy may recompute.
+    Their recomputed KV is written to the request's private slots; `src_slots` hold the shared
+    position-free copy, read rotated by `src_delta`."""
+
+    policy: Policy
+    reused: list[int]  # logical positions of the reused tokens
+    src_slots: list[int]
+    src_delta: list[int]
+
+
+@dataclass
+class RecomputeRow:
+    """One selective chunk in this step's flat batch."""
+
+    spec: RecomputeSpec
+    flat: torch.Tensor  # [n] flat indices of the chunk's tokens
+    is_reused: torch.Tensor  # [n] bool
+    key_slots: torch.Tensor  # the row's keys, positions [0, N)
+    key_delta: torch.Tensor | None
+    q_pos: torch.Tensor  # [n] row positions of the chunk's tokens
+    decision_layer: int
+    selected: torch.Tensor | None = None  # indices into the reused tokens, once decided
+    stats: dict = field(default_factory=dict)
+
+
+class Recompute:
+    """LayerHooks for the selective rows of one step."""
+
+    def __init__(self, rows: list[RecomputeRow], num_tokens: int, rotary: Rotary, block_size: int):
+        self.rows = rows
+        self.T = num_tokens
+        self.rotary = rotary
+        self.block_size = block_size
+        self._active: torch.Tensor | None = None
+        self._decided = 0
+        dev = rows[0].flat.device
+        self._src = [torch.tensor(r.spec.src_slots, dtype=torch.long, device=dev) for r in rows]
+        self._delta = [torch.tensor(r.spec.src_delta, dtype=torch.long, device=dev) for r in rows]
+
+    def active(self, layer: int) -> torch.Tensor | None:
+        return self._active
+
+    def _shrink(self) -> None:
+        keep = torch.ones(self.T, dtype=torch.bool, device=self.rows[0].flat.device)
+        for r in self.rows:
+            if r.selected is not None:
+                reused_flat = r.flat[r.is_reused]
+                drop = torch.ones(reused_flat.numel(), dtype=torch.bool, device=keep.device)
+                drop[r.selected] = False
+                keep[reused_flat[drop]] = False
+        self._active = keep.nonzero().flatten()
+
+    def _cached(self, i: int, which: torch.Tensor, k_cache, v_cache):
+        """The shared copy of reused tokens `which` (indices into row i's reused tokens), with K
+        turned to the tokens' logical positions."""
+        KVH, D = k_cache.shape[2:]
+        src = self._src[i][which]
+        k = k_cache.view(-1, KVH, D)[src]
+        cos, sin = self.rotary.cos_sin(self._delta[i][which], torch.float32)
+        return apply_rotary(k.float(), cos, sin).to(k.dtype), v_cache.view(-1, KVH, D)[src]
+
+    def after_write(self, layer, q, k, v, idx, k_cache, v_cache) -> None:
+        KVH, D = k_cache.shape[2:]
+        for i, r in enumerate(self.rows):
+            n_reused = int(r.is_reused.sum())
+            if r.selected is not None and layer > r.decision_layer:
+                skip = torch.ones(n_reused, dtype=torch.bool, device=q.device)
+                skip[r.selected] = False
+                which = skip.nonzero().flatten()
+                if which.numel():
+                    kk, vv = self._cached(i, which, k_cache, v_cache)
+                    dst = self._private(r, which, k_cache)
+                    k_cache.view(-1, KVH, D)[dst] = kk
+                    v_cache.view(-1, KVH, D)[dst] = vv
+            elif layer == r.decision_layer:
+                local = r.flat if idx is None else torch.searchsorted(idx, r.flat)
+                r.selected = self._decide(i, r, q[local], k[local], v[local], k_cache, v_cache)
+                r.stats = {"reused": n_reused, "selected": int(r.selected.numel()), "decision_layer": layer}
+                self._shrink()
+
+    def _private(self, r: RecomputeRow, which: torch.Tensor, k_cache) -> torch.Tensor:
+        """Private slots of reused tokens: where their KV sits in the request's own row."""
+        pos = r.q_pos[r.is_reused][which]
+        return r.key_slots[pos]
+
+    def _decide(self, i, r: RecomputeRow, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        pol = r.spec.policy
+        if isinstance(pol, CacheBlend):
+            all_reused = torch.arange(int(r.is_reused.sum()), device=q.device)
+            k_old, v_old = self._cached(i, all_reused, k_cache, v_cache)
+            dk = (k[r.is_reused].float() - k_old.float()).pow(2).sum((1, 2))
+            dv = (v[r.is_reused].float() - v_old.float()).pow(2).sum((1, 2))
+            return pol.select(dk + dv)
+        if isinstance(pol, SparseQ):
+            scores = attention_mass(q[~r.is_reused], r.q_pos[~r.is_reused], k_cache, r.key_slots,
+                                    r.key_delta, self.rotary)
+            reused_mask = torch.zeros(r.key_slots.numel(), dtype=torch.bool, device=q.device)
+            reused_mask[r.q_pos[r.is_reused]] = True
+            kept_pos = pol.select(scores, reused_mask, self.block_size)
+            # positions -> indices among this chunk's reused tokens (both ascending)
+            return torch.searchsorted(r.q_pos[r.is_reused], kept_pos)
+        raise TypeError(f"no selective recomputation for policy {pol!r}")
+
+
+def attention_mass(q, q_pos, k_cache, key_slots, key_delta, rotary: Rotary) -> torch.Tensor:
+    """Softmax attention of queries q [nq, H, D] at q_pos over the row's keys (causal), summed over
+    queries and heads: how much the non-reused tokens read each key [N]."""
+    KVH, D = k_cache.shape[2:]
+    H = q.shape[1]
+    keys = k_cache.view(-1, KVH, D)[key_slots].float()
+    if key_delta is not None:
+        cos, sin = rotary.cos_sin(key_delta, torch.float32)
+        keys = apply_rotary(keys, cos, sin)
+    keys = keys.repeat_interleave(H // KVH, dim=1)  # [N, H, D]
+    s = torch.einsum("qhd,khd->hqk", q.float(), keys) / D ** 0.5
+    causal = torch.arange(keys.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    p = s.masked_fill(~causal[None], float("-inf")).softmax(-1)
+    return p.sum((0, 1))
