@@ -89,3 +89,68 @@ class Dense:
             which[p.start:p.end] = True
         hidden, _ = self.forward(tokens, list(range(N)), causal, [(fk[i], fv[i], which) for i in range(c.num_layers)])
         return self.logits(hidden[-1])
+
+
+
+
+def policy_logits(dense: Dense, pieces: list[Piece], policy, block_size: int) -> torch.Tensor:
+    """Logits of the last prompt token under a selective policy, computed plainly: every token's
+    hidden state at every layer, with reused tokens that are not recomputed at a layer reading
+    their standalone K/V there. Mirrors the policy definitions in spanserve.reuse.policies."""
+    from spanserve.reuse.policies import CacheBlend, SparseQ
+
+    c, w = dense.c, dense.w
+    H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+    tokens = [t for p in pieces for t in p.tokens]
+    N = len(tokens)
+    first_plus = min((p.start for p in pieces if p.kind == "plus"), default=N)
+    reused = torch.zeros(N, dtype=torch.bool)
+    fk = [torch.zeros(N, KVH, D, dtype=torch.float64) for _ in range(c.num_layers)]
+    fv = [torch.zeros_like(x) for x in fk]
+    for p in pieces:
+        if p.kind != "plus":
+            continue
+        a, L = p.anchor_len, len(p.tokens)
+        _, kvs = dense.forward(tokens[:a] + list(p.tokens), list(range(a + L)), torch.ones(a + L, a + L, dtype=torch.bool).tril())
+        for i, (k, v) in enumerate(kvs):
+            fk[i][p.start:p.end], fv[i][p.start:p.end] = k[a:], v[a:]
+        reused[p.start:p.end] = True
+    decision = policy.decision_layer(c.num_layers)
+    recomputed = reused.clone()  # reused tokens recomputed at the current layer
+    pos = torch.arange(N)
+    causal = torch.ones(N, N, dtype=torch.bool).tril()
+    h = w["model.embed_tokens.weight"][torch.tensor(tokens)]
+    for i in range(c.num_layers):
+        p_ = f"model.layers.{i}."
+        a_ = p_ + "self_attn."
+        x = dense._norm(h, w[p_ + "input_layernorm.weight"])
+        q = F.linear(x, w[a_ + "q_proj.weight"], w.get(a_ + "q_proj.bias")).view(N, H, D)
+        k = F.linear(x, w[a_ + "k_proj.weight"], w.get(a_ + "k_proj.bias")).view(N, KVH, D)
+        v = F.linear(x, w[a_ + "v_proj.weight"], w.get(a_ + "v_proj.bias")).view(N, KVH, D)
+        if c.qk_norm:
+            q, k = dense._norm(q, w[a_ + "q_norm.weight"]), dense._norm(k, w[a_ + "k_norm.weight"])
+        stale = reused & ~recomputed
+        k = torch.where(stale[:, None, None], fk[i], k)
+        v = torch.where(stale[:, None, None], fv[i], v)
+        qr, kr = dense._rope(q, pos), dense._rope(k, pos)
+        kr_h, v_h = kr.repeat_interleave(H // KVH, 1), v.repeat_interleave(H // KVH, 1)
+        probs = (torch.einsum("qhd,khd->hqk", qr, kr_h) / D ** 0.5).masked_fill(~causal[None], float("-inf")).softmax(-1)
+        if i == decision:
+            idx = reused.nonzero().flatten()
+            if isinstance(policy, CacheBlend):
+                dev = ((k - fk[i]).pow(2).sum((1, 2)) + (v - fv[i]).pow(2).sum((1, 2)))[idx]
+                n_keep = round(policy.ratio * idx.numel())
+                keep = set(idx[torch.topk(dev, n_keep).indices].tolist()) if n_keep else set()
+            elif isinstance(policy, SparseQ):
+                asking = (~reused) & (pos >= first_plus)
+                scores = probs[:, asking].sum((0, 1))
+                keep = set(policy.select(scores, reused, block_size).tolist())
+            else:
+                raise TypeError(policy)
+            recomputed = torch.tensor([j in keep for j in range(N)], dtype=torch.bool)
+        o = torch.einsum("hqk,khd->qhd", probs, v_h).reshape(N, H * D)
+        h = h + F.linear(o, w[a_ + "o_proj.weight"])
+        x = dense._norm(h, w[p_ + "post_attention_layernorm.weight"])
+        h = h + F.linear(F.silu(F.linear(x, w[p_ + "mlp.gate_proj.weight"])) * F.linear(x, w[p_ + "mlp.up_proj.weight"]),
+                         w[p_ + "mlp.down_proj.weight"])
+    return dense.logits(dense._norm(h, w["model.norm.weight"])[-1])

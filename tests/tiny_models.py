@@ -55,10 +55,10 @@ _COMMON: dict[str, Any] = dict(
 )
 
 
-def tiny_config(arch: str, tie: bool = False) -> transformers.PretrainedConfig:
+def tiny_config(arch: str, tie: bool = False, layers: int = 2) -> transformers.PretrainedConfig:
     # transformers 5 spelling: theta and scaling both live in rope_parameters.
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": TINY_ROPE_THETA[arch]}
-    common = dict(_COMMON, tie_word_embeddings=tie)
+    common = dict(_COMMON, tie_word_embeddings=tie, num_hidden_layers=layers)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common, rope_parameters=rope)
     if arch == "qwen3":
@@ -111,11 +111,11 @@ def make_tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 def make_tiny_model(
-    arch: str, tmp_path: Path, tie: bool = False, seed: int = 0
+    arch: str, tmp_path: Path, tie: bool = False, seed: int = 0, layers: int = 2
 ) -> tuple[Path, transformers.PreTrainedModel]:
     """Save a random tiny `arch` model with a tokenizer under tmp_path; return (dir, eval model)."""
     model = transformers.AutoModelForCausalLM.from_config(
-        tiny_config(arch, tie), attn_implementation="eager"
+        tiny_config(arch, tie, layers), attn_implementation="eager"
     ).float()
     # Default init leaves norms at 1 and biases at 0, which would hide swapped or dropped tensors.
     gen = torch.Generator().manual_seed(seed)
@@ -127,7 +127,7 @@ def make_tiny_model(
             else:
                 param.copy_(noise * param.shape[-1] ** -0.5)
     model.eval()
-    path = Path(tmp_path) / f"tiny-{arch}{'-tied' if tie else ''}-{seed}"
+    path = Path(tmp_path) / f"tiny-{arch}{'-tied' if tie else ''}-{seed}-{layers}"
     model.save_pretrained(str(path), safe_serialization=True)
     make_tiny_tokenizer().save_pretrained(str(path))
     return path, model
