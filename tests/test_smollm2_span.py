@@ -48,3 +48,13 @@ def test_rag_output_is_invariant_to_cache_state(model):
     assert warm.token_ids == cold.token_ids
     assert reordered.token_ids == cold.token_ids
     assert shrunk.token_ids == cold.token_ids
+
+
+def test_full_policy_equals_plain_prompt_on_smollm2(model):
+    llm = LLM(model)
+    lay = layout([2, 0, 3, 1])
+    plain_ids = [t for s in lay for t in llm.engine.encode(s.text)]
+    plain = llm.generate(plain_ids, PARAMS)[0]
+    fresh = LLM(model)
+    full = fresh.generate(lay, PARAMS, policy="full")[0]
+    assert full.token_ids == plain.token_ids

@@ -160,7 +160,7 @@ def rotate_keys_kernel(
     kk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = kk < n_keys
     pos = tl.load(key_pos_ptr + kk, mask=k_ok, other=0)
-    tl.store(k_slots_ptr + pos, out_slot0 + kk, mask=k_ok)
+    tl.store(k_slots_ptr + pos, out_slot0 + kk.to(tl.int64), mask=k_ok)
     slot = tl.load(slots_ptr + kk, mask=k_ok, other=0).to(tl.int64)
     ang = tl.load(delta_ptr + kk, mask=k_ok, other=0).to(tl.float32)
     hh = tl.arange(0, BLOCK_KVH)

@@ -1,0 +1,220 @@
+"""TritonBackend and reposition_blocks against the reference, on CPU through Triton's interpreter.
+
+The interpreter is chosen before triton is first imported: the flag is read at import time."""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import math  # noqa: E402
+import random  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from spanserve.attention.plan import AttentionPlan, Row  # noqa: E402
+from spanserve.attention.reference import ReferenceBackend  # noqa: E402
+from spanserve.attention.triton import LaunchConfig, TritonBackend, reposition_blocks  # noqa: E402
+from spanserve.cache.table import Entry, key_deltas, key_slots  # noqa: E402
+from spanserve.model.layers import Rotary, apply_rotary  # noqa: E402
+
+D = 32
+BS = 8
+# Small tiles so that a row spans many programs and tiles, and tiles straddle entries and spans.
+SMALL = LaunchConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
+@dataclass
+class Case:
+    plan: AttentionPlan
+    num_blocks: int
+    used: set[int]  # slots some row reads
+
+
+def _entries(rng: random.Random, n_keys: int, free: list[int]) -> list[Entry]:
+    """Segments of a few entries sharing one delta (zero, positive or negative); about a third of
+    the entries are partial, wherever they fall in the row."""
+    out: list[Entry] = []
+    total = 0
+    while total < n_keys:
+        delta = rng.choice([0, 0, rng.randint(1, 5000), -rng.randint(1, 3000)])
+        for _ in range(rng.randint(1, 4)):
+            n = BS if rng.random() < 0.65 else rng.randint(1, BS - 1)
+            n = min(n, n_keys - total)
+            out.append(Entry(free.pop(), delta, n))
+            total += n
+            if total == n_keys:
+                break
+    return out
+
+
+def _case(rng: random.Random, n_rows: int, plus: bool) -> Case:
+    num_blocks = 400
+    # Block 0 stays finite and unused: the reference pads its key lists with slot 0.
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    rows: list[Row] = []
+    positions: list[int] = []
+    writes: list[int] = []
+    used: set[int] = set(range(BS))
+    for _ in range(n_rows):
+        n_keys = rng.randint(1, 120)
+        entries = _entries(rng, n_keys, free)
+        slots = key_slots(entries, BS)
+        deltas = key_deltas(entries)
+        nq = 1 if rng.random() < 0.5 else rng.randint(1, n_keys)
+        q_pos = list(range(n_keys - nq, n_keys))
+        start = len(positions)
+        positions.extend(q_pos)
+        writes.extend(slots[p] for p in q_pos)
+        used.update(slots)
+        anchor = seg = None
+        if plus and rng.random() < 0.7:
+            # Per-query bounds, each query still sees itself (seg_start <= t).
+            anchor = torch.tensor([rng.randint(0, t) for t in q_pos])
+            seg = torch.tensor([rng.randint(0, t) for t in q_pos])
+        rows.append(Row(
+            q_start=start, q_end=start + nq, q_pos=torch.tensor(q_pos),
+            key_slots=torch.tensor(slots),
+            key_delta=None if deltas is None else torch.tensor(deltas),
+            anchor_end=anchor, seg_start=seg,
+        ))
+    plan = AttentionPlan(rows, torch.tensor(positions), torch.tensor(writes))
+    return Case(plan, num_blocks, used)
+
+
+def _run(case: Case, H: int, KVH: int, dtype: torch.dtype, backend: TritonBackend, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    rotary = Rotary(D, 10000.0, None, torch.device("cpu"))
+    T = int(case.plan.positions.numel())
+    q = torch.randn(T, H, D, generator=gen).to(dtype)
+    k = torch.randn(T, 1, D, generator=gen).repeat(1, KVH, 1).to(dtype)
+    k += torch.randn(T, KVH, D, generator=gen).to(dtype)
+    v = torch.randn(T, KVH, D, generator=gen).to(dtype)
+    shape = (case.num_blocks, BS, KVH, D)
+    cache_k = torch.randn(shape, generator=gen).to(dtype)
+    cache_v = torch.randn(shape, generator=gen).to(dtype)
+    # Slots no row reads hold NaN: a kernel that touches one (past n_valid, a wrong block) fails.
+    unused = torch.ones(case.num_blocks * BS, dtype=torch.bool)
+    unused[list(case.used)] = False
+    cache_k.view(-1, KVH, D)[unused] = float("nan")
+    cache_v.view(-1, KVH, D)[unused] = float("nan")
+
+    ref_k, ref_v = cache_k.float(), cache_v.float()
+    ref = ReferenceBackend()
+    want = ref.forward(ref.prepare(case.plan, rotary, BS), q.float(), k.float(), v.float(), ref_k, ref_v)
+
+    got_k, got_v = cache_k.clone(), cache_v.clone()
+    got = backend.forward(backend.prepare(case.plan, rotary, BS), q, k, v, got_k, got_v)
+
+    assert got.shape == (T, H * D) and got.dtype == dtype
+    assert torch.isfinite(got).all(), "an output was left unwritten or a NaN slot was read"
+    torch.testing.assert_close(got_k.float(), ref_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got_v.float(), ref_v, rtol=0, atol=0, equal_nan=True)
+    err = ((got.float() - want).norm() / want.norm()).item()
+    assert err < (2e-6 if dtype == torch.float32 else 2e-3), err
+
+
+# Prefill rows either prerotate their delta keys into scratch, or rotate Q per span in-kernel;
+# 64-row programs re-read Q at each span, the 16-row (decode) ones keep it in registers.
+BACKENDS = {
+    "prerotate": lambda: TritonBackend(SMALL, SMALL),
+    "fused": lambda: TritonBackend(LaunchConfig(64, 16, 4, 1), SMALL, prerotate_prefill=False),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(BACKENDS))
+@pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_layouts_match_reference(mode: str, G: int, seed: int) -> None:
+    rng = random.Random(1000 * G + seed)
+    case = _case(rng, n_rows=rng.randint(1, 6), plus=seed % 2 == 1)
+    _run(case, H=2 * G, KVH=2, dtype=torch.float32, backend=BACKENDS[mode](), seed=seed)
+
+
+def test_default_tiles_and_fp16() -> None:
+    # The production tile shapes (128-row prefill programs) on a mixed batch, in half precision.
+    rng = random.Random(7)
+    case = _case(rng, n_rows=5, plus=True)
+    _run(case, H=8, KVH=2, dtype=torch.float16, backend=TritonBackend(), seed=7)
+
+
+def test_all_zero_deltas_take_plain_path() -> None:
+    # A key_delta tensor of zeros must give the same as no deltas (the kernel skips rotation).
+    rng = random.Random(3)
+    case = _case(rng, n_rows=3, plus=False)
+    for r in case.plan.rows:
+        r.key_delta = torch.zeros(r.num_keys, dtype=torch.long)
+    lay = TritonBackend().prepare(case.plan, Rotary(D, 10000.0, None, torch.device("cpu")), BS)
+    assert not lay.has_delta
+    _run(case, H=4, KVH=2, dtype=torch.float32, backend=TritonBackend(SMALL, SMALL), seed=3)
+
+
+def test_spans_follow_delta_runs() -> None:
+    # Spans cut at delta changes only: partial entries with the same delta stay in one span.
+    entries = [Entry(3, 5, BS), Entry(9, 5, 3), Entry(4, 5, BS), Entry(1, 0, 2), Entry(2, -7, BS)]
+    slots, deltas = key_slots(entries, BS), key_deltas(entries)
+    n = len(slots)
+    row = Row(0, 1, torch.tensor([n - 1]), torch.tensor(slots), torch.tensor(deltas))
+    plan = AttentionPlan([row], torch.tensor([n - 1]), torch.tensor([slots[-1]]))
+    lay = TritonBackend().prepare(plan, Rotary(D, 10000.0, None, torch.device("cpu")), BS)
+    assert lay.span_start.tolist() == [0, 19, 21] and lay.span_end.tolist() == [19, 21, 29]
+    assert lay.span_delta.tolist() == [5, 0, -7]
+    # Fused tiles stop at span ends; prerotated tiles ignore spans.
+    (fused, _) = lay.launches(4, 8, 16, 8, prerotate_big=True)
+    assert fused.tile_start.tolist() == [0, 8, 16, 19, 21] and fused.tile_delta.tolist() == [5, 5, 5, 0, -7]
+    assert fused.fused_delta and fused.prerotation is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_reposition_matches_copy_and_rotate(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(11)
+    L, NB, KVH = 3, 12, 2
+    k = torch.randn(L, NB, BS, KVH, D, generator=gen).to(dtype)
+    v = torch.randn(L, NB, BS, KVH, D, generator=gen).to(dtype)
+    # Includes delta 0, a negative delta, partial copies and a rotation in place (block 11).
+    jobs = [(0, 6, BS, 37), (1, 7, 3, 0), (2, 8, BS, -1200), (3, 9, 1, 99999), (4, 10, 5, 4), (11, 11, BS, 250)]
+    rotary = Rotary(D, 10000.0, None, torch.device("cpu"))
+    want_k, want_v = k.clone(), v.clone()
+    for src, dst, n, delta in jobs:
+        cos, sin = rotary.cos_sin(torch.tensor([delta]), torch.float32)
+        for layer in range(L):
+            x = k[layer, src, :n].float()
+            want_k[layer, dst, :n] = apply_rotary(x, cos.expand(n, -1), sin.expand(n, -1)).to(dtype)
+            want_v[layer, dst, :n] = v[layer, src, :n]
+    reposition_blocks(k, v, jobs, rotary.inv_freq)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(k, want_k, rtol=tol, atol=tol)
+    torch.testing.assert_close(v, want_v, rtol=0, atol=0)
+
+
+def test_reposition_then_attend_equals_deferred_rotation() -> None:
+    # Eager repositioning (rotate K, delta becomes 0) and deferred rotation are the same attention.
+    rng = random.Random(5)
+    rotary = Rotary(D, 10000.0, None, torch.device("cpu"))
+    entries = _entries(rng, 50, list(range(30, 0, -1)))
+    # The step's own token is written at delta 0 in both layouts.
+    entries[-1] = Entry(entries[-1].block, 0, entries[-1].n_valid)
+    gen = torch.Generator().manual_seed(5)
+    KVH, H = 1, 2
+    k_all = torch.randn(1, 64, BS, KVH, D, generator=gen)
+    v_all = torch.randn(1, 64, BS, KVH, D, generator=gen)
+    slots = key_slots(entries, BS)
+    n = len(slots)
+    q = torch.randn(1, H, D, generator=gen)
+    kv = torch.randn(1, KVH, D, generator=gen)
+    deferred = Row(0, 1, torch.tensor([n - 1]), torch.tensor(slots), None if key_deltas(entries) is None
+                   else torch.tensor(key_deltas(entries)))
+    backend = TritonBackend(SMALL, SMALL)
+    plan = AttentionPlan([deferred], torch.tensor([n - 1]), torch.tensor([slots[-1]]))
+    a = backend.forward(backend.prepare(plan, rotary, BS), q, kv, kv, k_all[0].clone(), v_all[0].clone())
+    jobs = [(e.block, e.block + 32, e.n_valid, e.delta) for e in entries]
+    reposition_blocks(k_all, v_all, jobs, rotary.inv_freq)
+    moved = [Entry(dst, 0, nv) for (_, dst, nv, _) in jobs]
+    mslots = key_slots(moved, BS)
+    plan2 = AttentionPlan([Row(0, 1, torch.tensor([n - 1]), torch.tensor(mslots))], torch.tensor([n - 1]),
+                          torch.tensor([mslots[-1]]))
+    b = backend.forward(backend.prepare(plan2, rotary, BS), q, kv, kv, k_all[0], v_all[0])
+    assert math.isclose((a - b).abs().max().item(), 0.0, abs_tol=1e-5)
