@@ -28,41 +28,51 @@ class Dense:
         half = x.shape[-1] // 2
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
+    def layer(self, i, h, pos, mask, override=None):
+        """Decoder layer i over hidden states h [N, hidden] at positions pos with mask [N, N].
+        override(k, v) may replace K/V (before RoPE) ahead of attention.
+        Returns (h, k, v, probs [H, N, N])."""
+        c, w = self.c, self.w
+        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+        N = h.shape[0]
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        x = self._norm(h, w[p + "input_layernorm.weight"])
+        q = F.linear(x, w[a + "q_proj.weight"], w.get(a + "q_proj.bias")).view(N, H, D)
+        k = F.linear(x, w[a + "k_proj.weight"], w.get(a + "k_proj.bias")).view(N, KVH, D)
+        v = F.linear(x, w[a + "v_proj.weight"], w.get(a + "v_proj.bias")).view(N, KVH, D)
+        if c.qk_norm:
+            q, k = self._norm(q, w[a + "q_norm.weight"]), self._norm(k, w[a + "k_norm.weight"])
+        if override is not None:
+            k, v = override(k, v)
+        kr = self._rope(k, pos).repeat_interleave(H // KVH, dim=1)
+        vv = v.repeat_interleave(H // KVH, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", self._rope(q, pos), kr) / D ** 0.5
+        probs = scores.masked_fill(~mask[None], float("-inf")).softmax(-1)
+        o = torch.einsum("hqk,khd->qhd", probs, vv).reshape(N, H * D)
+        h = h + F.linear(o, w[a + "o_proj.weight"])
+        x = self._norm(h, w[p + "post_attention_layernorm.weight"])
+        h = h + F.linear(F.silu(F.linear(x, w[p + "mlp.gate_proj.weight"])) * F.linear(x, w[p + "mlp.up_proj.weight"]),
+                         w[p + "mlp.down_proj.weight"])
+        return h, k, v, probs
+
     def forward(self, tokens, positions, mask, fixed=None):
         """tokens/positions [N]; mask [N, N] bool (query row sees key column); fixed: layer ->
         (k_raw [N, KVH, D] before RoPE, v, which [N] bool) overriding those positions' K/V.
         Returns (final hidden [N, hidden], per-layer (k_raw, v))."""
-        c, w = self.c, self.w
-        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
-        N = len(tokens)
-        h = w["model.embed_tokens.weight"][torch.tensor(tokens)]
+        h = self.w["model.embed_tokens.weight"][torch.tensor(tokens)]
         pos = torch.tensor(positions)
         kvs = []
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            x = self._norm(h, w[p + "input_layernorm.weight"])
-            q = F.linear(x, w[a + "q_proj.weight"], w.get(a + "q_proj.bias")).view(N, H, D)
-            k = F.linear(x, w[a + "k_proj.weight"], w.get(a + "k_proj.bias")).view(N, KVH, D)
-            v = F.linear(x, w[a + "v_proj.weight"], w.get(a + "v_proj.bias")).view(N, KVH, D)
-            if c.qk_norm:
-                q, k = self._norm(q, w[a + "q_norm.weight"]), self._norm(k, w[a + "k_norm.weight"])
+        for i in range(self.c.num_layers):
+            override = None
             if fixed is not None:
                 fk, fv, which = fixed[i]
-                k = torch.where(which[:, None, None], fk, k)
-                v = torch.where(which[:, None, None], fv, v)
+
+                def override(k, v, fk=fk, fv=fv, which=which):
+                    return torch.where(which[:, None, None], fk, k), torch.where(which[:, None, None], fv, v)
+            h, k, v, _ = self.layer(i, h, pos, mask, override)
             kvs.append((k, v))
-            qr, kr = self._rope(q, pos), self._rope(k, pos)
-            kr = kr.repeat_interleave(H // KVH, dim=1)
-            vv = v.repeat_interleave(H // KVH, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", qr, kr) / D ** 0.5
-            scores = scores.masked_fill(~mask[None], float("-inf"))
-            o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv).reshape(N, H * D)
-            h = h + F.linear(o, w[a + "o_proj.weight"])
-            x = self._norm(h, w[p + "post_attention_layernorm.weight"])
-            h = h + F.linear(F.silu(F.linear(x, w[p + "mlp.gate_proj.weight"])) * F.linear(x, w[p + "mlp.up_proj.weight"]),
-                             w[p + "mlp.down_proj.weight"])
-        return self._norm(h, w["model.norm.weight"]), kvs
+        return self._norm(h, self.w["model.norm.weight"]), kvs
 
     def logits(self, hidden):
         head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
@@ -121,20 +131,11 @@ def policy_logits(dense: Dense, pieces: list[Piece], policy, block_size: int) ->
     causal = torch.ones(N, N, dtype=torch.bool).tril()
     h = w["model.embed_tokens.weight"][torch.tensor(tokens)]
     for i in range(c.num_layers):
-        p_ = f"model.layers.{i}."
-        a_ = p_ + "self_attn."
-        x = dense._norm(h, w[p_ + "input_layernorm.weight"])
-        q = F.linear(x, w[a_ + "q_proj.weight"], w.get(a_ + "q_proj.bias")).view(N, H, D)
-        k = F.linear(x, w[a_ + "k_proj.weight"], w.get(a_ + "k_proj.bias")).view(N, KVH, D)
-        v = F.linear(x, w[a_ + "v_proj.weight"], w.get(a_ + "v_proj.bias")).view(N, KVH, D)
-        if c.qk_norm:
-            q, k = dense._norm(q, w[a_ + "q_norm.weight"]), dense._norm(k, w[a_ + "k_norm.weight"])
         stale = reused & ~recomputed
-        k = torch.where(stale[:, None, None], fk[i], k)
-        v = torch.where(stale[:, None, None], fv[i], v)
-        qr, kr = dense._rope(q, pos), dense._rope(k, pos)
-        kr_h, v_h = kr.repeat_interleave(H // KVH, 1), v.repeat_interleave(H // KVH, 1)
-        probs = (torch.einsum("qhd,khd->hqk", qr, kr_h) / D ** 0.5).masked_fill(~causal[None], float("-inf")).softmax(-1)
+
+        def override(k, v, i=i, stale=stale):
+            return torch.where(stale[:, None, None], fk[i], k), torch.where(stale[:, None, None], fv[i], v)
+        h, k, v, probs = dense.layer(i, h, pos, causal, override)
         if i == decision:
             idx = reused.nonzero().flatten()
             if isinstance(policy, CacheBlend):
@@ -143,14 +144,8 @@ def policy_logits(dense: Dense, pieces: list[Piece], policy, block_size: int) ->
                 keep = set(idx[torch.topk(dev, n_keep).indices].tolist()) if n_keep else set()
             elif isinstance(policy, SparseQ):
                 asking = (~reused) & (pos >= first_plus)
-                scores = probs[:, asking].sum((0, 1))
-                keep = set(policy.select(scores, reused, block_size).tolist())
+                keep = set(policy.select(probs[:, asking].sum((0, 1)), reused, block_size).tolist())
             else:
                 raise TypeError(policy)
             recomputed = torch.tensor([j in keep for j in range(N)], dtype=torch.bool)
-        o = torch.einsum("hqk,khd->qhd", probs, v_h).reshape(N, H * D)
-        h = h + F.linear(o, w[a_ + "o_proj.weight"])
-        x = dense._norm(h, w[p_ + "post_attention_layernorm.weight"])
-        h = h + F.linear(F.silu(F.linear(x, w[p_ + "mlp.gate_proj.weight"])) * F.linear(x, w[p_ + "mlp.up_proj.weight"]),
-                         w[p_ + "mlp.down_proj.weight"])
     return dense.logits(dense._norm(h, w["model.norm.weight"])[-1])

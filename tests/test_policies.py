@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
 
 
 policies = st.one_of(
-    st.builds(CacheBlend, ratio=st.sampled_from([0.0, 0.15, 0.5, 1.0]), check_layer=st.integers(0, 3)),
+    st.builds(CacheBlend, ratio=st.sampled_from([0.0, 0.15, 0.5, 1.0]), check_layer=st.integers(1, 3)),
     st.builds(SparseQ, budget=st.sampled_from([0.05, 0.15, 0.3]), boundary=st.sampled_from([None, 0, 1, 2]),
               overflow_blocks=st.integers(0, 1), tail=st.sampled_from([0, 8])),
     st.builds(SparseQ, k=st.integers(0, 20), boundary=st.sampled_from([0, 2])),
@@ -49,6 +49,8 @@ def test_names_and_objects_resolve():
     assert resolve_policy(SparseQ(k=3)).k == 3
     with pytest.raises(ValueError, match="ratio"):
         CacheBlend(ratio=2)
+    with pytest.raises(ValueError, match="check_layer"):
+        CacheBlend(check_layer=0)
     with pytest.raises(ValueError, match="budget"):
         SparseQ(budget=None)
 

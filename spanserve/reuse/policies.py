@@ -43,8 +43,11 @@ class CacheBlend(Policy):
     def __post_init__(self) -> None:
         if not 0 <= self.ratio <= 1:
             raise ValueError(f"CacheBlend ratio must be in [0, 1], got {self.ratio}")
-        if self.check_layer < 0:
-            raise ValueError(f"check_layer must be >= 0, got {self.check_layer}")
+        if self.check_layer < 1:
+            # Layer 0's K/V depend only on each token's embedding, so new and cached KV are equal
+            # there and the deviation ranks nothing but rounding noise.
+            raise ValueError(f"CacheBlend check_layer must be >= 1 (layer 0 KV does not depend on "
+                             f"context, so it shows no deviation), got {self.check_layer}")
 
     @property
     def selective(self) -> bool:
