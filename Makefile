@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest tests
 
 run: $(STAMP)
-	$(VENV)/bin/spanserve generate "The capital of France is"
+	$(VENV)/bin/spanserve serve --model smollm2
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -27,12 +27,11 @@ def _size(text: str) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from spanserve.server.launch import ServeOptions, serve
 
-    serve(ServeOptions(model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
-                       device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-                       block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                       default_policy=args.default_policy, max_queued_requests=args.max_queued_requests,
-                       log_level=args.log_level))
-    return 0
+    return serve(ServeOptions(
+        model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
+        device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, default_policy=args.default_policy,
+        max_queued_requests=args.max_queued_requests, log_level=args.log_level))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -68,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="model name clients send (default: smollm2, or the model path's basename)")
     s.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + generated tokens")
     s.add_argument("--default-policy", default="none", choices=["none", "full"],
-                   help="KV reuse policy for requests that name none")
+                   help="recomputation policy for span layouts that name none (full = read everything causally)")
     s.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests that may wait beyond --max-num-seqs before new ones get 429")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

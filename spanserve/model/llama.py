@@ -46,8 +46,9 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
-            # copy=True: loaders may hand out views of memory-mapped files, which page in slowly.
-            return weights[name].to(device=self.device, dtype=dtype, copy=True)
+            # On CPU copy: loaders may hand out views of memory-mapped files, which page in slowly.
+            # On a GPU the tensor is already device memory; a copy would double an 8B model.
+            return weights[name].to(device=self.device, dtype=dtype, copy=self.device.type == "cpu")
 
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None

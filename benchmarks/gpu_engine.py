@@ -1,0 +1,177 @@
+"""GPU checks and roofline numbers for the whole engine (issue: GPU backend), in one run:
+
+1. the engine on CUDA (reference and Triton backends) against the CPU engine: greedy tokens of a
+   tiny random model on span layouts with non-zero deltas, and logits;
+2. Triton vs reference backend on the Llama-3-8B shape (random bf16 weights), span layouts;
+3. prefill of 16k plain tokens: achieved TFLOP/s vs the measured bf16 matmul peak;
+4. decode at batch 1: step time vs the weight-bandwidth bound (weights bytes / measured copy BW).
+
+    python benchmarks/gpu_engine.py [--prefill 16384] [--decode-steps 32]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from common import format_table, llama3_8b_config, median, random_model, write_json  # noqa: E402
+
+from spanserve import LLM, SamplingParams, Segment  # noqa: E402
+from spanserve.engine.engine import LLMEngine  # noqa: E402
+from spanserve.model.config import ModelConfig  # noqa: E402
+
+DEV = "cuda"
+
+
+def TritonBackend():  # noqa: N802 - a dry run on CPU times the reference backend instead
+    if DEV != "cuda":
+        return None
+    from spanserve.attention.triton import TritonBackend as T
+    return T()
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def peaks() -> tuple[float, float]:
+    import triton.testing as tt
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = tt.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    tflops = 2 * 8192 ** 3 / ms / 1e9
+    x = torch.randn(1 << 28, device="cuda", dtype=torch.bfloat16)  # 512 MiB
+    y = torch.empty_like(x)
+    ms = tt.do_bench(lambda: y.copy_(x), warmup=20, rep=200, return_mode="median")
+    return tflops, 2 * x.numel() * 2 / ms / 1e9  # GB/s, bytes read + written
+
+
+def layouts(gen: torch.Generator, vocab: int, doc: list[int]) -> list[list[Segment]]:
+    t = lambda n: torch.randint(3, vocab, (n,), generator=gen).tolist()  # noqa: E731
+    return [
+        [Segment(token_ids=t(11)), Segment(token_ids=doc, kind="plus"), Segment(token_ids=t(30), kind="plus"), Segment(token_ids=t(7))],
+        [Segment(token_ids=t(29)), Segment(token_ids=t(13), kind="plus", anchor="prefix"), Segment(token_ids=doc, kind="plus"), Segment(token_ids=t(5))],
+        t(50),
+    ]
+
+
+def check_tiny(rows: list) -> None:
+    """CPU engine vs CUDA engine (reference, Triton) on a tiny random llama, float32."""
+    from tiny_models import make_tiny_model
+    path, _ = make_tiny_model("llama", Path(tempfile.mkdtemp()), layers=4)
+    gen = torch.Generator().manual_seed(0)
+    doc = torch.randint(3, 384, (37,), generator=gen).tolist()
+    lays = layouts(gen, 384, doc)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outs = {}
+    for name, dev, be in [("cpu", "cpu", None), ("cuda-reference", DEV, None), ("cuda-triton", DEV, TritonBackend())]:
+        llm = LLM(str(path), device=dev, block_size=16, num_blocks=256, backend=be)
+        first = [o.token_ids for o in llm.generate(lays, params)]
+        second = [o.token_ids for o in llm.generate(lays[::-1], params)][::-1]  # warm, other order
+        outs[name] = (first, second)
+    for name in ("cuda-reference", "cuda-triton"):
+        same = outs[name][0] == outs["cpu"][0] and outs[name][1] == outs["cpu"][0]
+        rows.append(("tiny greedy tokens == CPU (cold, warm)", name, same))
+
+
+def check_8b(model, rows: list) -> None:
+    """Triton vs reference on the 8B shape: final logits of span layouts, relative error."""
+    gen = torch.Generator().manual_seed(1)
+    doc = torch.randint(3, 128000, (700,), generator=gen).tolist()
+    lays = layouts(gen, 128000, doc)
+    logits = {}
+    for name, be in [("reference", None), ("triton", TritonBackend())]:
+        eng = LLMEngine(model, device=DEV, dtype="bfloat16", num_blocks=2048, backend=be)
+        got = []
+        for lay in lays + lays:  # cold then warm
+            eng.add_request(lay, SamplingParams(max_tokens=1))
+            sched = eng.scheduler.schedule()
+            while not any(c.task.sample and c.positions[-1] == len(c.task.tokens) - 1 for c in sched.chunks):
+                eng.runner.run(sched.chunks)
+                sched = eng.scheduler.schedule()
+            lg, r = eng.runner.run(sched.chunks)
+            got.append(lg[[x for x in r if x >= 0][-1]].float())
+            while eng.has_unfinished():
+                for rid in list(eng.requests):
+                    eng.abort(rid)
+        logits[name] = got
+        del eng
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    errs = [((a - b).norm() / b.norm()).item() for a, b in zip(logits["triton"], logits["reference"])]
+    rows.append(("8B bf16 logits rel err triton vs reference (max over 6)", "", f"{max(errs):.2e}"))
+
+
+def prefill_and_decode(model, n_prefill: int, steps: int, peak_tflops: float, bw: float, rows: list) -> dict:
+    c = model.config
+    eng = LLMEngine(model, device=DEV, dtype="bfloat16", max_num_batched_tokens=n_prefill + 16,
+                    num_blocks=(n_prefill // 16) * 3 + 64, backend=TritonBackend())
+    gen = torch.Generator().manual_seed(2)
+    times = []
+    for i in range(3):
+        toks = torch.randint(3, 128000, (n_prefill,), generator=gen).tolist()
+        eng.add_request(toks, SamplingParams(max_tokens=1))
+        sync()
+        t0 = time.perf_counter()
+        eng.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    t = median(times[1:])
+    matmul_params = sum(v.numel() for k, v in model.weights.items() if k.endswith("proj.weight")) + c.vocab_size * c.hidden_size / n_prefill
+    attn = 2 * 2 * c.num_layers * c.num_heads * c.head_dim * n_prefill * n_prefill / 2
+    flops = 2 * matmul_params * n_prefill + attn
+    achieved = flops / t / 1e12
+    rows.append((f"prefill {n_prefill} plain tokens", f"{t * 1e3:.1f} ms", f"{achieved:.0f} TFLOP/s = {achieved / peak_tflops:.0%} of peak"))
+    # decode at batch 1
+    eng.add_request(torch.randint(3, 128000, (512,), generator=gen).tolist(), SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+    step_t = []
+    while eng.has_unfinished():
+        sync()
+        t0 = time.perf_counter()
+        eng.step()
+        sync()
+        step_t.append(time.perf_counter() - t0)
+    d = median(step_t[3:])
+    weight_bytes = sum(v.numel() * v.element_size() for k, v in model.weights.items() if k != "model.embed_tokens.weight")
+    bound = weight_bytes / (bw * 1e9)
+    rows.append(("decode batch 1 step", f"{d * 1e3:.2f} ms", f"bound {bound * 1e3:.2f} ms ({d / bound:.2f}x)"))
+    return {"prefill_s": t, "prefill_tflops": achieved, "decode_step_s": d, "decode_bound_s": bound}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prefill", type=int, default=16384)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--out", default="gpu_engine.json")
+    ap.add_argument("--dry", action="store_true", help="CPU, small model: checks the script, not the GPU")
+    args = ap.parse_args()
+    global DEV
+    rows: list = []
+    if args.dry:
+        DEV = "cpu"
+        args.prefill, args.decode_steps = 256, 4
+        peak, bw = 1.0, 1.0
+    else:
+        peak, bw = peaks()
+    rows.append(("bf16 matmul peak (8192^3)", f"{peak:.0f} TFLOP/s", ""))
+    rows.append(("device copy bandwidth", f"{bw:.0f} GB/s", ""))
+    check_tiny(rows)
+    cfg = llama3_8b_config()
+    if args.dry:
+        cfg = ModelConfig(**{**cfg.__dict__, "hidden_size": 128, "intermediate_size": 256, "num_layers": 2,
+                             "num_heads": 4, "num_kv_heads": 2, "head_dim": 32})
+    model = random_model(cfg, DEV, torch.bfloat16)
+    check_8b(model, rows)
+    res = prefill_and_decode(model, args.prefill, args.decode_steps, peak, bw, rows)
+    print(format_table(["check", "value", "note"], rows))
+    write_json(args.out, {"rows": [list(map(str, r)) for r in rows], "peak_tflops": peak, "copy_gbps": bw, **res})
+
+
+if __name__ == "__main__":
+    main()

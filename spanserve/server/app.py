@@ -1,0 +1,85 @@
+"""The FastAPI application: routes, error handlers and the engine's lifetime.
+
+Bodies are validated from the raw bytes by the pydantic models in protocol.py (strict JSON
+types) instead of FastAPI's body parameters, so that malformed JSON, wrong types and unknown
+fields all reach one 400 path.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from spanserve.engine.async_engine import AsyncEngine
+from spanserve.engine.engine import LLMEngine
+from spanserve.server.chat import create_chat_completion
+from spanserve.server.completions import create_completion
+from spanserve.server.context import ServerConfig, ServingContext
+from spanserve.server.errors import APIError, install_handlers
+from spanserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from spanserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now_s
+
+log = logging.getLogger(__name__)
+
+# Bodies beyond this are refused before parsing; a prompt filling any supported context fits.
+MAX_BODY_BYTES = 64 << 20
+
+
+def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    metrics = ServerMetrics(engine)
+    async_engine = AsyncEngine(engine, max_pending=config.max_pending, observer=metrics)
+    ctx = ServingContext(async_engine, config, metrics)
+    created = now_s()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.shutdown()
+            ctx.close()
+
+    app = FastAPI(title="spanserve", lifespan=lifespan)
+    app.state.ctx = ctx
+    install_handlers(app)
+
+    async def read_body(http: Request) -> bytes:
+        declared = http.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+        body = await http.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+        return body
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_alive:
+            return APIError(503, "the engine is not running", code="engine_unavailable").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=config.served_model_name, created=created, root=config.model_source,
+                                         max_model_len=ctx.max_model_len)])
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(http: Request) -> Response:
+        req = CompletionRequest.model_validate_json(await read_body(http))
+        return await create_completion(ctx, req, http)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: Request) -> Response:
+        req = ChatCompletionRequest.model_validate_json(await read_body(http))
+        return await create_chat_completion(ctx, req, http)
+
+    return app

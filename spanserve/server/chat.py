@@ -1,0 +1,95 @@
+"""POST /v1/chat/completions: the model's chat template, n samples, SSE streaming."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import Response
+
+from spanserve.engine.outputs import RequestOutput
+from spanserve.engine.sampling import TokenLogprobs
+from spanserve.server.context import ServingContext, Submission
+from spanserve.server.errors import APIError
+from spanserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                       ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+                                       ChatTokenLogprob, DeltaMessage, TopLogprob, new_id, now_s)
+from spanserve.server.streaming import DONE, SSEResponse, TextDelta, fan_in, sse
+
+
+def _top(ctx: ServingContext, token_id: int, logprob: float) -> TopLogprob:
+    text = ctx.token_text(token_id)
+    return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+
+def _logprobs(ctx: ServingContext, entries: Sequence[TokenLogprobs | None]) -> ChatLogprobs:
+    content = []
+    for lp in entries:
+        if lp is None:
+            continue
+        chosen = _top(ctx, lp.token_id, lp.logprob)
+        alts = [_top(ctx, t, v) for t, v in lp.top.items()]
+        content.append(ChatTokenLogprob(token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes,
+                                        top_logprobs=alts))
+    return ChatLogprobs(content=content)
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, http: HTTPRequest) -> Response:
+    ctx.check_model(req.model)
+    prompt = await ctx.render_chat(req.messages, req.add_generation_prompt)
+    n_top = (req.top_logprobs or 0) if req.logprobs else None
+    sub = await ctx.submit(new_id("chatcmpl"), [prompt], req, req.max_new_tokens, n_top)
+    model = ctx.config.served_model_name
+    if req.stream:
+        return SSEResponse(_stream(ctx, req, sub, model), on_close=sub.abort)
+    finals = await ctx.collect(sub, http)
+    choices = [
+        ChatChoice(index=k, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,
+                   stop_reason=o.stop_reason,
+                   logprobs=_logprobs(ctx, o.logprobs or []) if req.logprobs else None)
+        for k, o in enumerate(finals)
+    ]
+    resp = ChatCompletionResponse(id=sub.id, created=now_s(), model=model, choices=choices,
+                                  usage=sub.usage(finals))
+    return Response(resp.model_dump_json(), media_type="application/json")
+
+
+async def _stream(ctx: ServingContext, req: ChatCompletionRequest, sub: Submission,
+                  model: str) -> AsyncIterator[bytes]:
+    created = now_s()
+    include_usage = req.include_usage_in_stream
+
+    def chunk(choices: list[ChatChunkChoice], **usage: object) -> bytes:
+        c = ChatCompletionChunk(id=sub.id, object="chat.completion.chunk", created=created, model=model,
+                                choices=choices, **usage)  # type: ignore[arg-type]
+        if include_usage and not usage:
+            c.usage = None  # marks the field set: every chunk then carries "usage": null, as OpenAI's do
+        return sse(c.model_dump_json(exclude_unset=True))
+
+    deltas = [TextDelta(sub.stops) for _ in sub.streams]
+    finals: dict[int, RequestOutput] = {}
+    try:
+        # Roles first, as OpenAI does, so a client can set up each message before any content.
+        yield chunk([ChatChunkChoice(index=k, delta=DeltaMessage(role="assistant", content=""), logprobs=None,
+                                     finish_reason=None) for k in range(len(sub.streams))])
+        async for k, out in fan_in(sub.streams):
+            d = deltas[k]
+            text = d.next(out.text, out.finished)
+            logprobs = _logprobs(ctx, (out.logprobs or [])[d.tokens:len(out.token_ids)]) if req.logprobs else None
+            d.tokens = len(out.token_ids)
+            if out.finished:
+                finals[k] = out
+            elif not text and not (logprobs and logprobs.content):
+                continue
+            choice = ChatChunkChoice(index=k, delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                                     logprobs=logprobs, finish_reason=out.finish_reason if out.finished else None)
+            if out.finished:
+                choice.stop_reason = out.stop_reason
+            yield chunk([choice])
+        if include_usage:
+            yield chunk([], usage=sub.usage([finals[k] for k in sorted(finals)]))
+    except APIError as e:
+        yield sse(e.body().model_dump_json())
+    except Exception as e:  # headers are sent: the error can only travel in the stream
+        yield sse(APIError(500, f"stream failed: {type(e).__name__}: {e}", type="server_error").body()
+                  .model_dump_json())
+    yield DONE

@@ -1,0 +1,207 @@
+"""Everything a route needs to turn an API request into engine requests and collect them.
+
+Tokenization runs on a private copy of the tokenizer in one worker thread: the engine thread
+decodes with the engine's own instance while it steps, and a Rust-backed tokenizer shared
+between threads can fail with "Already borrowed"; the worker keeps long prompts off the event
+loop too.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request as HTTPRequest
+
+from spanserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloaded, EngineStepError,
+                                           RequestSpec, RequestStream)
+from spanserve.engine.outputs import RequestOutput
+from spanserve.engine.sampling import SamplingParams
+from spanserve.server.errors import APIError, bad_request
+from spanserve.server.metrics import ServerMetrics
+from spanserve.server.protocol import SEED_MAX, SEED_MIN, ChatMessage, PromptTokensDetails, SamplingRequest, Usage
+from spanserve.server.streaming import fan_in
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class ServerConfig:
+    served_model_name: str
+    model_source: str
+    # Requests in flight (running + waiting) before new ones get 429; None = unbounded.
+    max_pending: int | None = None
+
+
+@dataclass
+class Submission:
+    """The engine requests behind one API request; stream k is choice k (prompt k // n, sample k % n)."""
+
+    id: str
+    streams: list[RequestStream]
+    prompt_lens: list[int]
+    n: int
+    stops: list[str] = field(default_factory=list)
+
+    def abort(self) -> None:
+        for s in self.streams:
+            s.abort()
+
+    def usage(self, finals: Sequence[RequestOutput]) -> Usage:
+        prompt = sum(self.prompt_lens)
+        completion = sum(len(o.token_ids) for o in finals)
+        # Samples of one prompt share it, so its cached count is reported once, from sample 0.
+        cached = sum(int(finals[k].metrics.get("cached_tokens", 0)) for k in range(0, len(finals), self.n))
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+class ServingContext:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics):
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.max_model_len: int = engine.engine.max_model_len
+        source_tok = engine.engine.tokenizer
+        self.tokenizer: Any = copy.deepcopy(source_tok) if source_tok is not None else None
+        if self.tokenizer is not None:
+            # The first encode may reset truncation/padding state (a mutation); do it now, while
+            # no other thread can be using this copy.
+            self.tokenizer.encode("warm up", add_special_tokens=False)
+        self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spanserve-tokenizer")
+
+    def close(self) -> None:
+        self._tok_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- model and prompts ----------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.served_model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{self.config.served_model_name!r}", param="model", code="model_not_found")
+
+    async def _on_tokenizer(self, fn: Any, *args: Any) -> Any:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer; send the prompt as token ids", param="prompt")
+        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn, *args)
+
+    async def encode(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        return list(await self._on_tokenizer(functools.partial(self.tokenizer.encode, add_special_tokens=False),
+                                             prompt))
+
+    async def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise bad_request("this model has no chat template; use /v1/completions", code="no_chat_template")
+
+        def render() -> list[int]:
+            try:
+                text = tok.apply_chat_template([m.as_template_dict() for m in messages], tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
+            except Exception as e:  # templates raise on conversations they reject (role order etc.)
+                raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from e
+            return list(tok.encode(text, add_special_tokens=False))
+
+        return list(await self._on_tokenizer(render))
+
+    @functools.lru_cache(maxsize=65536)
+    def token_text(self, token_id: int) -> str:
+        # Read-only use of the tokenizer copy; safe next to the worker's encodes.
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return str(self.tokenizer.decode([token_id]))
+
+    # ---- submission -----------------------------------------------------------------------
+    def _budget(self, prompt_len: int, max_tokens: int | None) -> int:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise bad_request(f"this model's maximum context length is {limit} tokens, but the prompt has "
+                              f"{prompt_len} tokens; shorten the prompt", param="prompt",
+                              code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise bad_request(f"this model's maximum context length is {limit} tokens, but {prompt_len} prompt "
+                              f"tokens + max_tokens {max_tokens} exceed it; lower max_tokens",
+                              param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    @staticmethod
+    def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None, sample: int) -> SamplingParams:
+        seed = req.seed
+        if seed is not None and sample:
+            # Distinct, reproducible streams per choice; wrapped to stay a valid int64 seed.
+            seed = (seed + sample - SEED_MIN) % (SEED_MAX - SEED_MIN + 1) + SEED_MIN
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                min_p=0.0 if req.min_p is None else req.min_p,
+                seed=seed, stop=_stops(req), stop_token_ids=req.stop_token_ids or [],
+                ignore_eos=req.ignore_eos, logprobs=logprobs,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+
+    async def submit(self, id_: str, prompts: Sequence[list[int]], req: SamplingRequest,
+                     max_tokens: int | None, logprobs: int | None) -> Submission:
+        specs: list[RequestSpec] = []
+        for p, ids in enumerate(prompts):
+            budget = self._budget(len(ids), max_tokens)
+            for j in range(req.n):
+                specs.append(RequestSpec(ids, self._params(req, budget, logprobs, j), f"{id_}-{p}-{j}",
+                                         namespace=req.cache_salt or ""))
+        try:
+            streams = await self.engine.add_requests(specs)
+        except ValueError as e:
+            raise bad_request(str(e), param="prompt") from e
+        except EngineOverloaded as e:
+            raise APIError(429, str(e), code="server_overloaded") from e
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from e
+        return Submission(id_, streams, [len(p) for p in prompts], req.n, _stops(req))
+
+    async def collect(self, sub: Submission, http: HTTPRequest) -> list[RequestOutput]:
+        """Final outputs in choice order; aborts everything if the client disconnects first."""
+        finals: list[RequestOutput | None] = [None] * len(sub.streams)
+
+        async def gather() -> None:
+            async for k, out in fan_in(sub.streams):
+                if out.finished:
+                    finals[k] = out
+
+        work = asyncio.ensure_future(gather())
+        gone = asyncio.ensure_future(_wait_disconnect(http))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (work, gone):
+                t.cancel()
+            sub.abort()
+        if not work.done() or work.cancelled():
+            raise APIError(499, "client disconnected", code="client_disconnected")
+        try:
+            work.result()
+        except EngineStepError as e:
+            raise APIError(500, str(e), type="server_error", code="engine_error") from e
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from e
+        return [f for f in finals if f is not None]
+
+
+def _stops(req: SamplingRequest) -> list[str]:
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+
+
+async def _wait_disconnect(http: HTTPRequest) -> None:
+    # The body was read in full before this runs, so the next ASGI message is the disconnect.
+    while (await http.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,83 @@
+"""`spanserve serve`: load the model, size the KV pool, and run the API under uvicorn."""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from spanserve.cache.storage import bytes_per_block
+
+log = logging.getLogger("spanserve")
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '1073741824', '512MiB', '2G', '1.5GB' (SI without i, binary with i)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text.lower())
+    if m is None:
+        raise ValueError(f"not a size: {text!r}; use bytes or a unit like 512MiB or 2GB")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def default_served_name(model: str) -> str:
+    return "smollm2" if model.lower() == "smollm2" else Path(model).expanduser().name or model
+
+
+@dataclass
+class ServeOptions:
+    model: str = "smollm2"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_cache_memory: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    default_policy: str = "none"  # the engine's recomputation policy for requests naming none
+    # Requests that may wait beyond the running batch before new ones get 429.
+    max_queued_requests: int = 1024
+    log_level: str = "info"
+
+
+def serve(opts: ServeOptions) -> int:
+    """Blocks until the server stops; the exit status (1 if it never came up, e.g. port taken)."""
+    # Imported here so `spanserve generate` does not pay for the web stack.
+    import uvicorn
+
+    from spanserve.engine.engine import LLMEngine
+    from spanserve.server.app import create_app
+    from spanserve.server.context import ServerConfig
+
+    logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    name = opts.served_model_name or default_served_name(opts.model)
+    config = ServerConfig(served_model_name=name, model_source=opts.model,
+                          max_pending=opts.max_num_seqs + opts.max_queued_requests)
+    log.info("loading model %s on %s (%s) ...", opts.model, opts.device, opts.dtype)
+    t0 = time.monotonic()
+    engine = LLMEngine(model=opts.model, device=opts.device, dtype=opts.dtype, block_size=opts.block_size,
+                       kv_cache_memory=opts.kv_cache_memory, max_num_seqs=opts.max_num_seqs,
+                       max_model_len=opts.max_model_len, default_policy=opts.default_policy)
+    c = engine.config
+    log.info("model loaded in %.1f s: %s, %d layers, hidden %d, vocab %d", time.monotonic() - t0,
+             c.arch, c.num_layers, c.hidden_size, c.vocab_size)
+    blocks = engine.pool.num_blocks
+    mib = blocks * bytes_per_block(c, engine.block_size, engine.dtype) / 2**20
+    log.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB); max model len %d; default policy %s",
+             blocks, engine.block_size, blocks * engine.block_size, mib, engine.max_model_len, opts.default_policy)
+    app = create_app(engine, config)
+    url = f"http://{opts.host}:{opts.port}"
+    log.info("serving %r at %s/v1 (metrics at %s/metrics)", name, url, url)
+    server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level,
+                                           access_log=False, timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        # uvicorn has already shut down gracefully and re-raises Ctrl-C; a traceback would be noise.
+        return 130
+    return 0 if server.started else 1

@@ -1,0 +1,111 @@
+"""Prometheus metrics on a registry of our own (so tests and embedders never collide with the
+process-wide default one).
+
+Latencies are observed on the engine thread as outputs come out of a step. Pool and queue sizes
+and the engine's cumulative counters are read at scrape time instead of mirrored: every read is
+a single int or len() (atomic under the GIL), so a scrape never waits for a model step and can
+never disagree with the engine by a missed update.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from spanserve.engine.engine import LLMEngine
+from spanserve.engine.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0)
+REUSE_KINDS = ("prefix", "perforated", "segment", "computed")
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        e = self.engine
+        pool = e.pool
+        total, free = pool.num_blocks, pool.num_free
+        for name, doc, value in (
+            ("spanserve_kv_blocks_total", "KV blocks in the pool", total),
+            ("spanserve_kv_blocks_free", "KV blocks not held by any request (cached ones included)", free),
+            ("spanserve_kv_blocks_used", "KV blocks held by at least one request", total - free),
+            ("spanserve_kv_blocks_cached", "KV blocks published in the reuse index (held or free)",
+             pool.num_cached),
+            ("spanserve_kv_block_size_tokens", "tokens per KV block", e.block_size),
+            ("spanserve_requests_running", "requests scheduled in the running batch", len(e.scheduler.running)),
+            ("spanserve_requests_waiting", "requests queued for admission", len(e.scheduler.waiting)),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = dict(e.counters)
+        reuse = CounterMetricFamily("spanserve_prompt_tokens_by_reuse",
+                                    "prompt tokens of finished requests by how their KV was obtained",
+                                    labels=["kind"])
+        for kind in REUSE_KINDS:
+            reuse.add_metric([kind], counters.get(kind, 0))
+        yield reuse
+        for name, key, doc in (
+            ("spanserve_preemptions", "preemptions", "requests preempted (KV released, recomputed later)"),
+            ("spanserve_prompt_tokens", "prompt_tokens", "prompt tokens of admitted requests"),
+            ("spanserve_generation_tokens", "generation_tokens", "tokens generated"),
+            ("spanserve_engine_requests_finished", "requests_finished", "requests the engine finished"),
+        ):
+            yield CounterMetricFamily(name, doc, value=counters.get(key, 0))
+
+
+class ServerMetrics:
+    """The registry plus the engine-thread observer that feeds its latency histograms."""
+
+    def __init__(self, engine: LLMEngine):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(engine))
+        self.ttft = Histogram("spanserve_time_to_first_token_seconds", "arrival to first generated token",
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("spanserve_inter_token_latency_seconds", "time between generated tokens",
+                             buckets=_ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("spanserve_request_latency_seconds", "arrival to finish of finished requests",
+                             buckets=_E2E_BUCKETS, registry=self.registry)
+        self.finished = Counter("spanserve_requests_finished", "requests finished, by reason",
+                                ["reason"], registry=self.registry)
+        # request id -> (tokens seen, time of the last token, first output time); engine thread only
+        self._seen: dict[str, tuple[int, float, float]] = {}
+
+    # ---- EngineObserver (engine thread) ---------------------------------------------------
+    def on_outputs(self, outputs: Sequence[RequestOutput], now: float) -> None:
+        for out in outputs:
+            n = len(out.token_ids)
+            prev = self._seen.get(out.request_id)
+            if prev is None:
+                if n:
+                    ttft = out.metrics.get("ttft")
+                    self.ttft.observe(ttft if ttft is not None else 0.0)
+                    # TTFT is arrival-relative; keep arrival so e2e uses the same origin.
+                    start = now - (ttft or 0.0)
+                    self._seen[out.request_id] = (n, now, start)
+            else:
+                seen, last, start = prev
+                if n > seen:
+                    gap = (now - last) / (n - seen)
+                    for _ in range(n - seen):
+                        self.itl.observe(gap)
+                    self._seen[out.request_id] = (n, now, start)
+            if out.finished:
+                done = self._seen.pop(out.request_id, None)
+                if done is not None:
+                    self.e2e.observe(now - done[2])
+                self.finished.labels(reason=out.finish_reason or "unknown").inc()
+
+    def on_abort(self, request_id: str) -> None:
+        self._seen.pop(request_id, None)
+        self.finished.labels(reason="abort").inc()
+
+    # ---- scrape ---------------------------------------------------------------------------
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,138 @@
+"""Fuzzing every POST route with random and malformed bodies: the server must answer 2xx or 4xx
+(never 5xx), in OpenAI's error shape when it refuses, and stay healthy with no blocks leaked."""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from test_server_harness import ServerProcess, build_tiny_model, metric, run_server
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+SETTINGS = settings(max_examples=200, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("fuzz")
+    path = build_tiny_model(root / "tiny")
+    # A short context bounds the work of any body that happens to be valid.
+    with run_server(str(path), root, "--kv-cache-memory", "2MiB", "--block-size", "8",
+                    "--max-model-len", "48", "--served-model-name", "tiny") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=20)
+json_values = st.recursive(json_scalars, lambda kids: st.lists(kids, max_size=4)
+                           | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=12)
+
+# Values near the edges of what each field accepts, so valid-looking bodies reach deep paths.
+FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
+    "model": st.sampled_from(["tiny", "other", ""]) | st.none(),
+    "prompt": st.text(max_size=40) | st.lists(st.integers(-2, 500), max_size=8)
+    | st.lists(st.text(max_size=10), max_size=3) | st.lists(st.lists(st.integers(0, 399), max_size=4), max_size=3),
+    "messages": st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "system", "tool", "bot"]),
+         "content": st.text(max_size=20) | st.none() | st.just([{"type": "text", "text": "hi"}])}), max_size=3),
+    "max_tokens": st.integers(-1, 60) | st.none(),
+    "max_completion_tokens": st.integers(-1, 60),
+    "temperature": st.floats(-1, 3) | st.integers(0, 2) | st.just(float("nan")),
+    "top_p": st.floats(-0.5, 1.5) | st.just(float("inf")),
+    "top_k": st.integers(-3, 500),
+    "min_p": st.floats(-0.5, 1.5),
+    "seed": st.integers(-(2**64), 2**64),
+    "n": st.integers(-1, 4),
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3) | st.none(),
+    "stop_token_ids": st.lists(st.integers(-2, 2**40), max_size=3),
+    "logprobs": st.integers(-1, 25) | st.booleans() | st.none(),
+    "top_logprobs": st.integers(-1, 25),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_values,
+    "ignore_eos": st.booleans(),
+    "cache_salt": st.text(max_size=8),
+    "echo": st.booleans(),
+    "frequency_penalty": st.floats(-1, 1),
+    "logit_bias": st.dictionaries(st.text(max_size=3), st.floats(-5, 5), max_size=2),
+}
+
+
+@st.composite
+def near_valid_bodies(draw: st.DrawFn, route: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 4}
+    body["prompt" if route == "/v1/completions" else "messages"] = (
+        "The quick brown fox" if route == "/v1/completions" else [{"role": "user", "content": "hi"}])
+    for key in draw(st.lists(st.sampled_from(sorted(FIELD_VALUES)), max_size=4, unique=True)):
+        body[key] = draw(FIELD_VALUES[key])
+    for key in draw(st.lists(st.sampled_from(sorted(body)), max_size=1)):
+        if draw(st.booleans()):
+            del body[key]
+        else:
+            body[key] = draw(json_values)
+    if draw(st.integers(0, 9)) == 0:
+        body[draw(st.text(min_size=1, max_size=6))] = draw(json_values)
+    return body
+
+
+def check(http: httpx.Client, route: str, content: bytes, content_type: str = "application/json") -> None:
+    with http.stream("POST", route, content=content, headers={"content-type": content_type}) as r:
+        raw = r.read()
+    assert r.status_code < 500, (route, content[:300], raw[:500])
+    event(f"HTTP {r.status_code}")  # --hypothesis-show-statistics: how many bodies got through
+    if r.status_code >= 400:
+        err = json.loads(raw)["error"]
+        assert set(err) == {"message", "type", "param", "code"}, raw
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        events = [line for line in raw.decode().split("\n") if line]
+        assert events[-1] == "data: [DONE]", raw[-300:]
+        assert not any('"error"' in e[:12] for e in events), raw[:500]
+    else:
+        assert "choices" in json.loads(raw)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@SETTINGS
+@given(data=st.data())
+def test_near_valid_bodies(http: httpx.Client, route: str, data: st.DataObject) -> None:
+    body = data.draw(near_valid_bodies(route))
+    check(http, route, json.dumps(body, allow_nan=True).encode())
+
+
+@settings(SETTINGS, max_examples=120)
+@given(route=st.sampled_from(ROUTES), value=json_values)
+def test_arbitrary_json(http: httpx.Client, route: str, value: Any) -> None:
+    check(http, route, json.dumps(value, allow_nan=True).encode())
+
+
+@settings(SETTINGS, max_examples=100)
+@given(route=st.sampled_from(ROUTES), raw=st.binary(max_size=64),
+       content_type=st.sampled_from(["application/json", "text/plain", "", "application/x-www-form-urlencoded"]))
+def test_malformed_bytes(http: httpx.Client, route: str, raw: bytes, content_type: str) -> None:
+    check(http, route, raw, content_type)
+
+
+def test_server_healthy_and_no_blocks_leaked(server: ServerProcess, http: httpx.Client) -> None:
+    # Runs after the fuzzers (file order): anything they broke or leaked shows here.
+    assert http.get("/health").status_code == 200
+    deadline = time.monotonic() + 10
+    while True:
+        text = http.get("/metrics").text
+        if metric(text, "spanserve_kv_blocks_free") == metric(text, "spanserve_kv_blocks_total"):
+            break
+        assert time.monotonic() < deadline, text
+        time.sleep(0.05)
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 2})
+    assert r.status_code == 200
+    assert "Traceback" not in server.log_text()

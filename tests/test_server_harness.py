@@ -1,0 +1,149 @@
+"""Shared harness for the server tests: a tiny random Llama checkpoint built offline and a
+`spanserve serve` subprocess on a free port.
+
+Kept in a test module (the server tests may only add tests/test_server*.py files); the tests
+at the bottom check the harness itself, so a broken fixture fails here first and clearly.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Repetitive on purpose: the byte-level BPE then learns whole words, so prompts stay short in
+# tokens and the tests can reason about lengths.
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A journey of a thousand miles begins with a single step.",
+    "To be or not to be, that is the question.",
+    "All that glitters is not gold; all who wander are not lost.",
+    "The capital of France is Paris, and the capital of Italy is Rome.",
+    "Once upon a time there was a small engine that served many requests.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20.",
+] * 20
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TINY_CONTEXT = 512
+
+
+def build_tiny_model(path: Path) -> Path:
+    """A 2-layer random Llama plus a byte-level BPE tokenizer with a chat template, saved as a
+    Hugging Face directory that `--model` accepts."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+    eos = fast.convert_tokens_to_ids("<|im_end|>")
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TINY_CONTEXT,
+                         tie_word_embeddings=True, bos_token_id=fast.bos_token_id, eos_token_id=eos)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, log: Path):
+        self.proc = proc
+        self.port = port
+        self.log = log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextmanager
+def run_server(model: str | None, log_dir: Path, *extra: str, timeout: float = 120.0) -> Iterator[ServerProcess]:
+    """`spanserve serve` in a subprocess (model None = the CLI's default); yields once /health
+    answers, stops it on exit."""
+    port = free_port()
+    log = log_dir / f"server-{port}.log"
+    model_args = ["--model", model] if model is not None else []
+    cmd = [sys.executable, "-m", "spanserve.cli", "serve", *model_args, "--port", str(port), *extra]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    server = ServerProcess(proc, port, log)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log_text()}")
+            try:
+                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not come up in {timeout} s:\n{server.log_text()}")
+            time.sleep(0.2)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def metric(text: str, name: str) -> float:
+    """The value of an unlabelled sample in Prometheus text format."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+# ---------------------------------------------------------------------------- harness checks
+
+
+def test_tiny_model_loads_and_generates(tmp_path: Path) -> None:
+    from spanserve import LLM, SamplingParams
+
+    path = build_tiny_model(tmp_path / "tiny")
+    llm = LLM(str(path), num_blocks=64, block_size=8)
+    out = llm.generate("The quick brown fox", SamplingParams(max_tokens=5, temperature=0))[0]
+    assert len(out.token_ids) <= 5 and out.finish_reason in ("length", "stop")
+    assert llm.tokenizer.chat_template == CHAT_TEMPLATE
+
+
+def test_free_port_is_bindable() -> None:
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
