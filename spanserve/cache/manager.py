@@ -120,14 +120,13 @@ class CacheManager:
                 # anchor none: exactly a plain causal encoding, so finished generations hit it
                 seed = plain if p.anchor_len == 0 else hashing.seed(ns, "anchor", prefix[: p.anchor_len])
                 seg = Unit(seed, p.start, p.anchor_len, True, final, toks)
-                seg.keys = hashing.chain_keys(seed, toks, bs)
+                seg.keys, digest = _keys(seed, toks, bs)
             if seg is not None and not selective:
                 u = seg
             else:  # the request's own run; a recomputed segment's KV is request-specific too
                 u = Unit(link, p.start, p.start, False, final, toks, source=seg)
-                u.keys = hashing.chain_keys(link, toks, bs)
+                u.keys, digest = _keys(link, toks, bs)
             # whatever follows depends on this unit's content and place: chain it into the link
-            digest = hashing.chain_keys(u.seed, toks, bs, include_partial=True)[-1]
             link = hashing.seed(ns, "span", policy_key, link, digest, p.start, p.anchor_len)
             units.append(u)
         return units
@@ -321,6 +320,13 @@ class CacheManager:
         req.tasks = []
         req.units = []
         req.sources = []
+
+
+def _keys(seed: int, tokens: list[int], bs: int) -> tuple[list[int], int]:
+    """Full-block chain keys and the digest of the whole unit (its partial tail included)."""
+    keys = hashing.chain_keys(seed, tokens, bs, include_partial=True)
+    full = keys if len(tokens) % bs == 0 else keys[:-1]
+    return full, keys[-1]
 
 
 def _all_hit(units: list[Unit], plans: list[list[_Slot]], bs: int) -> bool:

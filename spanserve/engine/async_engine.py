@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from spanserve.engine.engine import LLMEngine
+from spanserve.engine.layout import Segment
 from spanserve.engine.outputs import RequestOutput
 from spanserve.engine.sampling import SamplingParams
+from spanserve.reuse.policies import Policy
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +72,11 @@ class _Command:
 
 @dataclass
 class RequestSpec:
-    prompt: str | list[int]
+    prompt: str | list[int] | list[Segment]  # a list of Segments is a span layout
     params: SamplingParams
     request_id: str
     namespace: str = ""
+    policy: str | Policy | None = None  # None = the engine's default policy
 
 
 class RequestStream:
@@ -177,6 +180,18 @@ class AsyncEngine:
         finally:
             stream.abort()
 
+    async def pin(self, segments: Sequence[Segment], namespace: str = "") -> RequestStream:
+        """Queue the encoding and pinning of plus segments (LLMEngine.pin); the stream's one
+        output arrives when they are cached and pinned (finish_reason "stop"). ValueError (over
+        the pin budget, bad segment) and EngineOverloaded are raised here."""
+        segs: list[Segment | str] = list(segments)
+        fut = self._submit(lambda: self._pin(segs, namespace))
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(_abort_orphan)
+            raise
+
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self._submit(lambda: self._abort(request_id)))
 
@@ -209,7 +224,7 @@ class AsyncEngine:
                 if spec.request_id in self._streams:
                     raise ValueError(f"request id {spec.request_id!r} is already in use")
                 self.engine.add_request(spec.prompt, spec.params, request_id=spec.request_id,
-                                        namespace=spec.namespace)
+                                        namespace=spec.namespace, policy=spec.policy)
                 stream = RequestStream(spec.request_id, self)
                 self._streams[spec.request_id] = stream
                 self._num_pending += 1
@@ -219,6 +234,19 @@ class AsyncEngine:
                 self._abort(s.request_id)
             raise
         return streams
+
+    def _pin(self, segments: list[Segment | str], namespace: str) -> RequestStream:
+        if self.max_pending is not None and self._num_pending + 1 > self.max_pending:
+            raise EngineOverloaded(
+                f"server is at capacity ({self._num_pending} requests in flight, limit {self.max_pending}); "
+                "retry later")
+        # The engine names pin requests itself; they are tracked like any other request so the
+        # finishing step delivers to this stream and the pending count stays right.
+        req = self.engine.pin(segments, namespace)
+        stream = RequestStream(req.request_id, self)
+        self._streams[req.request_id] = stream
+        self._num_pending += 1
+        return stream
 
     def _abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is None:
@@ -314,6 +342,11 @@ class AsyncEngine:
 def _push_all(batch: list[tuple[RequestStream, Any]]) -> None:
     for stream, item in batch:
         stream._push(item)
+
+
+def _abort_orphan(fut: concurrent.futures.Future[RequestStream]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().abort()
 
 
 def _abort_orphans(fut: concurrent.futures.Future[list[RequestStream]]) -> None:

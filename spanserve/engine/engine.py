@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from spanserve.attention.backend import AttentionBackend
@@ -105,11 +106,20 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass token ids")
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
-        return ids
+        return self.check_ids(prompt)
+
+    def check_ids(self, ids: "Sequence[int]") -> list[int]:
+        """Token ids as a list of ints, each in the vocabulary (vectorized: layouts are long)."""
+        try:
+            arr = np.asarray(ids, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError("token ids must be integers") from None
+        if arr.ndim != 1:
+            raise ValueError("token ids must be a flat list of integers")
+        bad = arr[(arr < 0) | (arr >= self.config.vocab_size)]
+        if bad.size:
+            raise ValueError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5].tolist()}")
+        return arr.tolist()
 
     def add_request(self, prompt: "str | list[int] | list[Segment]", params: SamplingParams | None = None,
                     request_id: str | None = None, namespace: str = "", policy: "str | Policy | None" = None,
@@ -119,9 +129,9 @@ class LLMEngine:
         pol = resolve_policy(policy, self.default_policy)
         pieces = []
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], Segment):
-            pieces = resolve(prompt, self.encode, pol.name, require_tail=not extra.get("encode_only", False))
+            pieces = resolve(prompt, self.encode, pol.name, require_tail=not extra.get("encode_only", False),
+                             check=self.check_ids)
             ids = [t for p in pieces for t in p.tokens]
-            self.encode(ids)  # range check
         else:
             ids = self.encode(prompt)
         if not ids:

@@ -47,14 +47,15 @@ class Piece:
 
 
 def resolve(segments: Sequence[Segment | str], encode: Callable[[str], list[int]], policy: str,
-            require_tail: bool = True) -> list[Piece]:
+            require_tail: bool = True, check: Callable[[Sequence[int]], list[int]] | None = None) -> list[Piece]:
     """Tokenize and position the segments. `full` reads everything causally: one cross piece."""
     segs = [Segment(text=s) if isinstance(s, str) else s for s in segments]
     if not segs:
         raise ValueError("a layout needs at least one segment")
     toks: list[list[int]] = []
     for i, s in enumerate(segs):
-        t = encode(s.text) if s.text is not None else [int(x) for x in s.token_ids]  # type: ignore[union-attr]
+        ids = s.token_ids
+        t = encode(s.text) if s.text is not None else (check(ids) if check else [int(x) for x in ids])  # type: ignore[arg-type]
         if not t:
             raise ValueError(f"segment {i} is empty; drop it or give it text")
         toks.append(t)

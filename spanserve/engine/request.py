@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from spanserve.cache.block_pool import Block
-from spanserve.cache.table import Entry, key_slots
+from spanserve.cache.table import Entry, slot_array
 from spanserve.engine.layout import Piece
 from spanserve.engine.sampling import SamplingParams, TokenLogprobs
 
@@ -37,12 +37,13 @@ class Task:
     recompute: Any = None  # reuse.recompute.RecomputeSpec: a policy recomputes reused tokens
     anchor_end: int | None = None  # plus-segment mask form; None = causal
     seg_start: int | None = None
-    _slots: list[int] | None = field(default=None, repr=False)
+    _slots: Any = field(default=None, repr=False)
 
     @property
-    def slots(self) -> list[int]:
+    def slots(self) -> Any:
+        """numpy int64 array: the flat slot of every position of this task's row."""
         if self._slots is None:
-            self._slots = key_slots(self.entries, self.block_size)
+            self._slots = slot_array(self.entries, self.block_size)
         return self._slots
 
     def set_entries(self, entries: list[Entry]) -> None:

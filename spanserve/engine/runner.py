@@ -1,12 +1,13 @@
 """Model runner: turns a step's chunks into one flat batch and one attention plan."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from spanserve.attention.backend import AttentionBackend
 from spanserve.attention.plan import AttentionPlan, Row
 from spanserve.cache.storage import KVStorage
-from spanserve.cache.table import key_deltas
+from spanserve.cache.table import delta_array
 from spanserve.engine.scheduler import Chunk
 from spanserve.model.llama import LlamaModel
 from spanserve.reuse.recompute import Recompute, RecomputeRow
@@ -14,39 +15,38 @@ from spanserve.reuse.recompute import Recompute, RecomputeRow
 
 def build_plan(chunks: list[Chunk], block_size: int, device: torch.device) -> tuple[torch.Tensor, AttentionPlan, list[int]]:
     """Returns (input ids, plan, index into the flat batch of each chunk's sampled position or -1)."""
-    ids: list[int] = []
-    positions: list[int] = []
-    writes: list[int] = []
+    ids, positions, writes = [], [], []
     rows: list[Row] = []
     sample_at: list[int] = []
+    start = 0
     for c in chunks:
         t = c.task
+        pos = np.asarray(c.positions, dtype=np.int64)
         slots = t.slots
-        start = len(ids)
-        ids.extend(t.tokens[p] for p in c.positions)
-        positions.extend(c.positions)
-        writes.extend(slots[p] for p in c.positions)
-        n_keys = c.positions[-1] + 1
-        deltas = key_deltas(t.entries)
-        q_pos = torch.tensor(c.positions, dtype=torch.long, device=device)
-        nq = len(c.positions)
+        n_keys = int(pos[-1]) + 1
+        deltas = delta_array(t.entries)
+        nq = len(pos)
+        ids.append(np.asarray(t.tokens, dtype=np.int64)[pos] if nq > 64 else [t.tokens[p] for p in c.positions])
+        positions.append(pos)
+        writes.append(slots[pos])
         rows.append(Row(
             q_start=start,
             q_end=start + nq,
-            q_pos=q_pos,
-            key_slots=torch.tensor(slots[:n_keys], dtype=torch.long, device=device),
-            key_delta=None if deltas is None else torch.tensor(deltas[:n_keys], dtype=torch.long, device=device),
+            q_pos=torch.from_numpy(pos).to(device),
+            key_slots=torch.from_numpy(slots[:n_keys]).to(device),
+            key_delta=None if deltas is None else torch.from_numpy(deltas[:n_keys]).to(device),
             anchor_end=None if t.anchor_end is None else torch.full((nq,), t.anchor_end, device=device),
             seg_start=None if t.seg_start is None else torch.full((nq,), t.seg_start, device=device),
         ))
-        last = len(t.tokens) - 1
-        sample_at.append(start + nq - 1 if t.sample and c.positions[-1] == last else -1)
+        sample_at.append(start + nq - 1 if t.sample and c.positions[-1] == len(t.tokens) - 1 else -1)
+        start += nq
     plan = AttentionPlan(
         rows=rows,
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        write_slots=torch.tensor(writes, dtype=torch.long, device=device),
+        positions=torch.from_numpy(np.concatenate(positions)).to(device),
+        write_slots=torch.from_numpy(np.concatenate(writes)).to(device),
     )
-    return torch.tensor(ids, dtype=torch.long, device=device), plan, sample_at
+    flat_ids = np.concatenate([np.asarray(x, dtype=np.int64) for x in ids])
+    return torch.from_numpy(flat_ids).to(device), plan, sample_at
 
 
 class ModelRunner:

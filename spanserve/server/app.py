@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.responses import Response
 
 from spanserve.engine.async_engine import AsyncEngine
@@ -21,12 +22,31 @@ from spanserve.server.completions import create_completion
 from spanserve.server.context import ServerConfig, ServingContext
 from spanserve.server.errors import APIError, install_handlers
 from spanserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from spanserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now_s
+from spanserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, PinRequest,
+                                       PinResponse, UnpinResponse, now_s)
+from spanserve.server.query import execute_query
+from spanserve.server.span import pin_segments, unpin_segment
 
 log = logging.getLogger(__name__)
 
 # Bodies beyond this are refused before parsing; a prompt filling any supported context fits.
 MAX_BODY_BYTES = 64 << 20
+
+
+class _SegmentKey(Convertor[str]):
+    """Any text, newlines and "/" included: a segment's default key is its text. (Starlette's
+    `path` convertor is `.*`, which stops at a newline.)"""
+
+    regex = r"[\s\S]*"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("segment_key", _SegmentKey())
 
 
 def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -81,5 +101,18 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def chat_completions(http: Request) -> Response:
         req = ChatCompletionRequest.model_validate_json(await read_body(http))
         return await create_chat_completion(ctx, req, http)
+
+    @app.post("/v1/query/execute")
+    async def query_execute(http: Request) -> Response:
+        # The body is spnl's query JSON, sent as text/plain or application/json alike.
+        return await execute_query(ctx, await read_body(http), http)
+
+    @app.post("/v1/segments")
+    async def pin(http: Request) -> PinResponse:
+        return await pin_segments(ctx, PinRequest.model_validate_json(await read_body(http)))
+
+    @app.delete("/v1/segments/{key:segment_key}")
+    async def unpin(key: str, cache_salt: str | None = None) -> UnpinResponse:
+        return await unpin_segment(ctx, key, cache_salt)
 
     return app

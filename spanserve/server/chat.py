@@ -8,11 +8,12 @@ from starlette.responses import Response
 
 from spanserve.engine.outputs import RequestOutput
 from spanserve.engine.sampling import TokenLogprobs
-from spanserve.server.context import ServingContext, Submission
+from spanserve.server.context import Prompt, ServingContext, Submission
 from spanserve.server.errors import APIError
 from spanserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                        ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                        ChatTokenLogprob, DeltaMessage, TopLogprob, new_id, now_s)
+from spanserve.server.span import chat_layout, is_span_chat
 from spanserve.server.streaming import DONE, SSEResponse, TextDelta, fan_in, sse
 
 
@@ -35,7 +36,11 @@ def _logprobs(ctx: ServingContext, entries: Sequence[TokenLogprobs | None]) -> C
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, http: HTTPRequest) -> Response:
     ctx.check_model(req.model)
-    prompt = await ctx.render_chat(req.messages, req.add_generation_prompt)
+    prompt: Prompt
+    if is_span_chat(req.messages):
+        prompt = await chat_layout(ctx, req.messages, req.add_generation_prompt)
+    else:
+        prompt = await ctx.render_chat(req.messages, req.add_generation_prompt)
     n_top = (req.top_logprobs or 0) if req.logprobs else None
     sub = await ctx.submit(new_id("chatcmpl"), [prompt], req, req.max_new_tokens, n_top)
     model = ctx.config.served_model_name

@@ -8,10 +8,11 @@ from starlette.responses import Response
 
 from spanserve.engine.outputs import RequestOutput
 from spanserve.engine.sampling import TokenLogprobs
-from spanserve.server.context import ServingContext, Submission
+from spanserve.server.context import Prompt, ServingContext, Submission
 from spanserve.server.errors import APIError
 from spanserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                        new_id, now_s)
+from spanserve.server.span import completion_layout
 from spanserve.server.streaming import DONE, SSEResponse, TextDelta, fan_in, sse
 
 
@@ -35,11 +36,15 @@ def _logprobs(ctx: ServingContext, entries: Sequence[TokenLogprobs | None], offs
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, http: HTTPRequest) -> Response:
     ctx.check_model(req.model)
-    try:
-        batch = req.prompts()
-    except ValueError as e:
-        raise APIError(400, str(e), param="prompt") from e
-    prompts = [await ctx.encode(p) for p in batch]
+    prompts: list[Prompt]
+    if req.segments is not None:
+        prompts = [await completion_layout(ctx, req.segments)]
+    else:
+        try:
+            batch = req.prompts()
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from e
+        prompts = [await ctx.encode(p) for p in batch]
     sub = await ctx.submit(new_id("cmpl"), prompts, req, req.max_tokens, req.logprobs)
     model = ctx.config.served_model_name
     if req.stream:

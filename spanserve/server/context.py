@@ -11,8 +11,10 @@ import asyncio
 import copy
 import functools
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,14 +22,24 @@ from starlette.requests import Request as HTTPRequest
 
 from spanserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloaded, EngineStepError,
                                            RequestSpec, RequestStream)
+from spanserve.engine.layout import Segment
 from spanserve.engine.outputs import RequestOutput
 from spanserve.engine.sampling import SamplingParams
+from spanserve.reuse.policies import resolve_policy
 from spanserve.server.errors import APIError, bad_request
 from spanserve.server.metrics import ServerMetrics
-from spanserve.server.protocol import SEED_MAX, SEED_MIN, ChatMessage, PromptTokensDetails, SamplingRequest, Usage
+from spanserve.server.protocol import (SEED_MAX, SEED_MIN, ChatMessage, PromptTokensDetails, ReuseCounts,
+                                       SamplingRequest, Usage)
 from spanserve.server.streaming import fan_in
 
 log = logging.getLogger(__name__)
+
+# A prompt as the engine takes it: token ids, or a span layout of token-id segments.
+Prompt = list[int] | list[Segment]
+
+# Span queries executing at once; each holds a worker thread while its generations run.
+MAX_QUERY_WORKERS = 16
+
 
 @dataclass
 class ServerConfig:
@@ -55,9 +67,23 @@ class Submission:
         prompt = sum(self.prompt_lens)
         completion = sum(len(o.token_ids) for o in finals)
         # Samples of one prompt share it, so its cached count is reported once, from sample 0.
-        cached = sum(int(finals[k].metrics.get("cached_tokens", 0)) for k in range(0, len(finals), self.n))
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+        return usage_of(finals[0::self.n], prompt, completion)
+
+
+def usage_of(outputs: Sequence[RequestOutput], prompt: int | None = None, completion: int | None = None) -> Usage:
+    """Usage summed over outputs; prompt/completion override the sums (samples sharing a prompt)."""
+    if prompt is None:
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    if completion is None:
+        completion = sum(len(o.token_ids) for o in outputs)
+    reuse = ReuseCounts()
+    for o in outputs:
+        for kind, n in (o.metrics.get("reuse") or {}).items():
+            if kind in ReuseCounts.model_fields:
+                setattr(reuse, kind, getattr(reuse, kind) + int(n))
+    cached = sum(int(o.metrics.get("cached_tokens", 0)) for o in outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached, reuse=reuse))
 
 
 class ServingContext:
@@ -73,9 +99,36 @@ class ServingContext:
             # no other thread can be using this copy.
             self.tokenizer.encode("warm up", add_special_tokens=False)
         self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spanserve-tokenizer")
+        # Span queries render and encode on their own thread for their whole run, so each borrows
+        # a tokenizer copy of its own (copied from a template no thread ever encodes with).
+        self._tok_template: Any = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
+        self._tok_spares: list[Any] = []
+        self._tok_lock = threading.Lock()
+        self.query_pool = ThreadPoolExecutor(max_workers=MAX_QUERY_WORKERS, thread_name_prefix="spanserve-query")
 
     def close(self) -> None:
         self._tok_pool.shutdown(wait=False, cancel_futures=True)
+        self.query_pool.shutdown(wait=False, cancel_futures=True)
+
+    @contextmanager
+    def borrowed_tokenizer(self) -> Iterator[Any]:
+        """A tokenizer copy for the calling thread alone (blocking: call off the event loop)."""
+        if self._tok_template is None:
+            raise bad_request("this model has no tokenizer; span queries need one", code="no_tokenizer")
+        with self._tok_lock:
+            tok = self._tok_spares.pop() if self._tok_spares else None
+            if tok is None:
+                tok = copy.deepcopy(self._tok_template)
+                tok.encode("warm up", add_special_tokens=False)
+        try:
+            yield tok
+        finally:
+            with self._tok_lock:
+                self._tok_spares.append(tok)
+
+    async def on_tokenizer(self, fn: Any, *args: Any) -> Any:
+        """Run fn(*args) on the tokenizer worker, where self.tokenizer may be used."""
+        return await self._on_tokenizer(fn, *args)
 
     # ---- model and prompts ----------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -151,14 +204,16 @@ class ServingContext:
         except ValueError as e:
             raise bad_request(str(e)) from e
 
-    async def submit(self, id_: str, prompts: Sequence[list[int]], req: SamplingRequest,
+    async def submit(self, id_: str, prompts: Sequence[Prompt], req: SamplingRequest,
                      max_tokens: int | None, logprobs: int | None) -> Submission:
+        check_policy(req.policy)
         specs: list[RequestSpec] = []
+        lens = [prompt_len(p) for p in prompts]
         for p, ids in enumerate(prompts):
-            budget = self._budget(len(ids), max_tokens)
+            budget = self._budget(lens[p], max_tokens)
             for j in range(req.n):
                 specs.append(RequestSpec(ids, self._params(req, budget, logprobs, j), f"{id_}-{p}-{j}",
-                                         namespace=req.cache_salt or ""))
+                                         namespace=req.cache_salt or "", policy=req.policy))
         try:
             streams = await self.engine.add_requests(specs)
         except ValueError as e:
@@ -167,7 +222,7 @@ class ServingContext:
             raise APIError(429, str(e), code="server_overloaded") from e
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from e
-        return Submission(id_, streams, [len(p) for p in prompts], req.n, _stops(req))
+        return Submission(id_, streams, lens, req.n, _stops(req))
 
     async def collect(self, sub: Submission, http: HTTPRequest) -> list[RequestOutput]:
         """Final outputs in choice order; aborts everything if the client disconnects first."""
@@ -179,7 +234,7 @@ class ServingContext:
                     finals[k] = out
 
         work = asyncio.ensure_future(gather())
-        gone = asyncio.ensure_future(_wait_disconnect(http))
+        gone = asyncio.ensure_future(wait_disconnect(http))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -197,11 +252,23 @@ class ServingContext:
         return [f for f in finals if f is not None]
 
 
+def prompt_len(prompt: Prompt) -> int:
+    return sum(len(s.token_ids or ()) if isinstance(s, Segment) else 1 for s in prompt)
+
+
+def check_policy(name: str | None, param: str = "policy") -> None:
+    if name is not None:
+        try:
+            resolve_policy(name)
+        except ValueError as e:
+            raise bad_request(str(e), param=param, code="unknown_policy") from e
+
+
 def _stops(req: SamplingRequest) -> list[str]:
     return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
 
-async def _wait_disconnect(http: HTTPRequest) -> None:
+async def wait_disconnect(http: HTTPRequest) -> None:
     # The body was read in full before this runs, so the next ASGI message is the disconnect.
     while (await http.receive())["type"] != "http.disconnect":
         pass

@@ -33,6 +33,7 @@ class _EngineCollector(Collector):
         e = self.engine
         pool = e.pool
         total, free = pool.num_blocks, pool.num_free
+        pinned = list(e.pinned.values())  # one C-level copy: the engine thread may pin meanwhile
         for name, doc, value in (
             ("spanserve_kv_blocks_total", "KV blocks in the pool", total),
             ("spanserve_kv_blocks_free", "KV blocks not held by any request (cached ones included)", free),
@@ -42,6 +43,8 @@ class _EngineCollector(Collector):
             ("spanserve_kv_block_size_tokens", "tokens per KV block", e.block_size),
             ("spanserve_requests_running", "requests scheduled in the running batch", len(e.scheduler.running)),
             ("spanserve_requests_waiting", "requests queued for admission", len(e.scheduler.waiting)),
+            ("spanserve_segments_pinned", "segments pinned through /v1/segments or LLMEngine.pin", len(pinned)),
+            ("spanserve_kv_blocks_pinned", "KV blocks held by pinned segments", sum(len(b) for b in pinned)),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         counters = dict(e.counters)

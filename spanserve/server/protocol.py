@@ -17,6 +17,7 @@ from spanserve.engine.sampling import MAX_LOGPROBS
 
 MAX_N = 16  # choices per request: each one is a full request in the engine
 MAX_PROMPTS = 64  # prompts in one batched completions request
+MAX_SEGMENTS = 1024  # segments in one span layout or pin request
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what a torch generator accepts
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
@@ -48,6 +49,8 @@ class SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     # The prefix cache is shared only between requests with the same salt (tenant isolation).
     cache_salt: str | None = None
+    # Recomputation policy for span layouts (extension): none | full | cacheblend | sparseq.
+    policy: str | None = None
     user: str | None = None  # end-user tag: informational only
     # Not implemented by the sampler: accepted only at their neutral values.
     presence_penalty: float | None = None
@@ -73,8 +76,30 @@ class SamplingRequest(_Request):
 PromptInput = str | list[str] | TokenIds | list[TokenIds]
 
 
+class _OneSource(_Request):
+    text: str | None = None
+    token_ids: TokenIds | None = None
+    key: str | None = None  # names the segment for pinning and reporting
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> _OneSource:
+        if (self.text is None) == (self.token_ids is None):
+            raise ValueError("a segment needs exactly one of text or token_ids")
+        return self
+
+
+class SpanSegment(_OneSource):
+    """One segment of a span layout (extension): `plus` segments stand alone, so their KV is
+    reused wherever they appear; `anchor: prefix` encodes a plus segment after the leading
+    cross segments instead of at the start."""
+
+    kind: Literal["cross", "plus"] = "cross"
+    anchor: Literal["none", "prefix"] = "none"
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: PromptInput
+    prompt: PromptInput | None = None
+    segments: Annotated[list[SpanSegment], Field(min_length=1, max_length=MAX_SEGMENTS)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
@@ -89,11 +114,15 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("suffix is not supported by this server; omit it")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported by this server; omit it or set it equal to n")
+        if (self.prompt is None) == (self.segments is None):
+            raise ValueError("send exactly one of prompt or segments (a span layout)")
         return self
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a lone string or token list is a batch of one."""
         p = self.prompt
+        if p is None:
+            raise ValueError("this request carries segments, not a prompt")
         if isinstance(p, str):
             return [p]
         if not p:
@@ -115,6 +144,8 @@ class ChatMessage(_Request):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    # Extension: consecutive "plus" messages become standalone span segments (see server/span.py).
+    kind: Literal["cross", "plus"] | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -165,8 +196,18 @@ def now_s() -> int:
     return int(time.time())
 
 
+class ReuseCounts(BaseModel):
+    """How the prompt's KV was obtained, token by token (extension)."""
+
+    prefix: int = 0
+    perforated: int = 0
+    segment: int = 0
+    computed: int = 0
+
+
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int
+    cached_tokens: int  # prefix + perforated + segment hits
+    reuse: ReuseCounts | None = None
 
 
 class Usage(BaseModel):
@@ -256,6 +297,53 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class QueryOutput(BaseModel):
+    """One generation of an executed span query; `path` is its place in the prepared tree
+    ("in" steps into a generation's input, integers into a group's children)."""
+
+    path: list[str | int]
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class SpanQueryResult(BaseModel):
+    outputs: list[QueryOutput]  # every generation, inner ones included, in execution order
+    query: dict[str, Any]  # the evaluated query (its closure) in spnl JSON
+
+
+class QueryCompletionResponse(ChatCompletionResponse):
+    span_query: SpanQueryResult
+
+
+class PinSegment(_OneSource):
+    pass
+
+
+class PinRequest(_Request):
+    segments: Annotated[list[PinSegment], Field(min_length=1, max_length=MAX_SEGMENTS)]
+    cache_salt: str | None = None
+
+
+class PinnedSegment(BaseModel):
+    key: str
+    tokens: int
+
+
+class PinResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[PinnedSegment]
+    cache_salt: str | None = None
+
+
+class UnpinResponse(BaseModel):
+    key: str
+    object: Literal["segment"] = "segment"
+    deleted: bool = True
 
 
 class ModelCard(BaseModel):

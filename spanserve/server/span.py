@@ -1,0 +1,154 @@
+"""Span extensions of the OpenAI routes: `segments` layouts on /v1/completions, `"kind": "plus"`
+messages on /v1/chat/completions, and pinned segments (POST/DELETE /v1/segments).
+
+Text is tokenized here, on the tokenizer worker, and handed to the engine as token-id segments:
+the server then knows every segment's length for the context budget before anything is queued,
+and the engine sees exactly the tokens a client would get from a plain prompt of that text.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from spanserve.engine.async_engine import EngineDeadError, EngineOverloaded
+from spanserve.engine.layout import Segment
+from spanserve.query.ir import Assistant, Cross, Message, Node, Plus, System, User
+from spanserve.query.plan import Planner
+from spanserve.server.context import ServingContext
+from spanserve.server.errors import APIError, bad_request
+from spanserve.server.protocol import (ChatMessage, PinnedSegment, PinRequest, PinResponse, SpanSegment,
+                                       UnpinResponse)
+
+_ROLES: dict[str, type[Message]] = {"system": System, "user": User, "assistant": Assistant}
+
+
+def is_span_chat(messages: Sequence[ChatMessage]) -> bool:
+    return any(m.kind == "plus" for m in messages)
+
+
+async def completion_layout(ctx: ServingContext, segments: Sequence[SpanSegment]) -> list[Segment]:
+    out: list[Segment] = []
+    for i, s in enumerate(segments):
+        ids = await ctx.encode(s.text if s.text is not None else list(s.token_ids or []))
+        if not ids:
+            raise bad_request(f"segment {i} is empty; drop it or give it text", param=f"segments.{i}")
+        try:
+            out.append(Segment(token_ids=ids, kind=s.kind, anchor=s.anchor, key=s.key))
+        except ValueError as e:  # e.g. an anchor on a cross segment
+            raise bad_request(f"segment {i}: {e}", param=f"segments.{i}") from e
+    return out
+
+
+def _message_node(i: int, m: ChatMessage) -> Message:
+    cls = _ROLES.get(m.role)
+    if cls is None:
+        raise bad_request(f"messages.{i}: role {m.role!r} cannot be used in a chat with plus messages; "
+                          f"use one of {sorted(_ROLES)}", param=f"messages.{i}.role")
+    if m.name is not None:
+        raise bad_request(f"messages.{i}: name is not supported in a chat with plus messages",
+                          param=f"messages.{i}.name")
+    return cls(str(m.as_template_dict()["content"]))
+
+
+def chat_query(messages: Sequence[ChatMessage]) -> Node:
+    """The conversation as a span-query input: each run of consecutive plus messages is a Plus,
+    so every one of them becomes a standalone segment rendered by the template on its own."""
+    items: list[Node] = []
+    run: list[Node] = []
+    for i, m in enumerate(messages):
+        node = _message_node(i, m)
+        if m.kind == "plus":
+            run.append(node)
+            continue
+        if run:
+            items.append(Plus(tuple(run)))
+            run = []
+        items.append(node)
+    if run:
+        items.append(Plus(tuple(run)))
+    return Cross(tuple(items))
+
+
+async def chat_layout(ctx: ServingContext, messages: Sequence[ChatMessage],
+                      add_generation_prompt: bool) -> list[Segment]:
+    tok = ctx.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", code="no_chat_template")
+    query = chat_query(messages)
+
+    def plan() -> list[Segment]:
+        try:
+            segs = Planner(tok).layout(query)
+        except Exception as e:  # templates raise on conversations they reject (role order etc.)
+            raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from e
+        # The planner always ends with the generation prompt; without it the conversation's
+        # last message is the tail (the engine refuses a layout whose tail is a plus segment).
+        return segs if add_generation_prompt else segs[:-1]
+
+    return list(await ctx.on_tokenizer(plan))
+
+
+# ---------------------------------------------------------------------------- pinning
+
+
+async def pin_segments(ctx: ServingContext, req: PinRequest) -> PinResponse:
+    namespace = req.cache_salt or ""
+    segs: list[Segment] = []
+    keys: list[str] = []
+    for i, s in enumerate(req.segments):
+        ids = await ctx.encode(s.text if s.text is not None else list(s.token_ids or []))
+        if not ids:
+            raise bad_request(f"segment {i} is empty; drop it or give it text", param=f"segments.{i}")
+        # Named explicitly, as the engine would name it (its text), so the answer can say which
+        # key to DELETE even for token-id segments.
+        key = s.key if s.key is not None else s.text if s.text is not None else await _decoded(ctx, ids)
+        if key in keys:
+            raise bad_request(f"segment {i} repeats the key {key!r} of segment {keys.index(key)}",
+                              param=f"segments.{i}.key")
+        keys.append(key)
+        segs.append(Segment(token_ids=ids, kind="plus", key=key))
+    if sum(len(s.token_ids or ()) for s in segs) >= ctx.max_model_len:
+        raise bad_request(f"these segments hold more than the model's {ctx.max_model_len}-token context; "
+                          "pin them in smaller requests", param="segments", code="context_length_exceeded")
+    try:
+        stream = await ctx.engine.pin(segs, namespace)
+    except ValueError as e:  # over the pin budget, out-of-range token ids
+        raise bad_request(str(e), param="segments", code="pin_budget_exceeded"
+                          if "pin budget" in str(e) else None) from e
+    except EngineOverloaded as e:
+        raise APIError(429, str(e), code="server_overloaded") from e
+    except EngineDeadError as e:
+        raise APIError(503, str(e), code="engine_unavailable") from e
+    final = None
+    try:
+        async for out in stream:
+            final = out
+    except EngineDeadError as e:
+        raise APIError(503, str(e), code="engine_unavailable") from e
+    finally:
+        stream.abort()
+    if final is None or final.finish_reason != "stop":
+        # The engine fails a request it can never admit (e.g. the pool is held by pins).
+        raise bad_request("the segments could not be encoded: the KV pool has no room for them; "
+                          "unpin something or pin fewer", param="segments", code="pin_failed")
+    return PinResponse(data=[PinnedSegment(key=k, tokens=len(s.token_ids or ())) for k, s in zip(keys, segs)],
+                       cache_salt=req.cache_salt)
+
+
+async def _decoded(ctx: ServingContext, ids: list[int]) -> str:
+    tok: Any = ctx.tokenizer
+    if tok is None:
+        raise bad_request("this model has no tokenizer: give token-id segments a key", param="segments")
+    return str(await ctx.on_tokenizer(lambda: tok.decode(ids, skip_special_tokens=True)))
+
+
+async def unpin_segment(ctx: ServingContext, key: str, cache_salt: str | None) -> UnpinResponse:
+    try:
+        found = await ctx.engine.call(lambda e: e.unpin(key, cache_salt or ""))
+    except EngineDeadError as e:
+        raise APIError(503, str(e), code="engine_unavailable") from e
+    if not found:
+        salt = f" with cache_salt {cache_salt!r}" if cache_salt else ""
+        raise APIError(404, f"no segment is pinned under the key {key!r}{salt}", param="key",
+                       code="segment_not_found")
+    return UnpinResponse(key=key)
