@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +15,9 @@ from hypothesis import strategies as st
 
 from test_server_harness import ServerProcess, build_tiny_model, metric, run_server
 
-ROUTES = ("/v1/completions", "/v1/chat/completions")
+OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
+SPAN_ROUTES = ("/v1/query/execute", "/v1/segments")
+ROUTES = OPENAI_ROUTES + SPAN_ROUTES
 SETTINGS = settings(max_examples=200, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
@@ -46,7 +49,13 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     | st.lists(st.text(max_size=10), max_size=3) | st.lists(st.lists(st.integers(0, 399), max_size=4), max_size=3),
     "messages": st.lists(st.fixed_dictionaries(
         {"role": st.sampled_from(["user", "assistant", "system", "tool", "bot"]),
-         "content": st.text(max_size=20) | st.none() | st.just([{"type": "text", "text": "hi"}])}), max_size=3),
+         "content": st.text(max_size=20) | st.none() | st.just([{"type": "text", "text": "hi"}])},
+        optional={"kind": st.sampled_from(["plus", "cross", "other"])}), max_size=3),
+    "segments": st.lists(st.fixed_dictionaries(
+        {}, optional={"text": st.text(max_size=12), "token_ids": st.lists(st.integers(-2, 500), max_size=4),
+                      "kind": st.sampled_from(["plus", "cross", "x"]), "anchor": st.sampled_from(["none", "prefix"]),
+                      "key": st.text(max_size=4)}), max_size=4),
+    "policy": st.sampled_from(["none", "full", "cacheblend", "sparseq", "magic"]),
     "max_tokens": st.integers(-1, 60) | st.none(),
     "max_completion_tokens": st.integers(-1, 60),
     "temperature": st.floats(-1, 3) | st.integers(0, 2) | st.just(float("nan")),
@@ -86,6 +95,46 @@ def near_valid_bodies(draw: st.DrawFn, route: str) -> dict[str, Any]:
     return body
 
 
+def _message(draw: st.DrawFn) -> dict[str, Any]:
+    op = draw(st.sampled_from(["user", "system", "assistant", "user", "ask", "bogus"]))
+    return {op: draw(st.text(max_size=12))}
+
+
+@st.composite
+def span_queries(draw: st.DrawFn, depth: int = 0) -> Any:
+    """spnl-shaped queries, small enough to run inside the fuzz server's 48-token context."""
+    if depth >= 3 or draw(st.integers(0, 2)) == 0:
+        return _message(draw) if draw(st.integers(0, 15)) else draw(json_values)
+    op = draw(st.sampled_from(["cross", "plus", "seq", "par", "repeat", "g", "g"]))
+    if op == "repeat":
+        return {"repeat": {"n": draw(st.integers(-1, 2)), "query": draw(span_queries(depth + 1))}}
+    if op == "g":
+        body: dict[str, Any] = {"model": draw(st.sampled_from(["spnl/x", "ollama/granite3.2:2b"])),
+                                "input": draw(span_queries(depth + 1))}
+        for key, values in (("max_tokens", st.integers(-1, 4)), ("temperature", st.floats(-0.5, 2)),
+                            ("policy", FIELD_VALUES["policy"])):
+            if draw(st.booleans()):
+                body[key] = draw(values)
+        return {"g": body}
+    return {op: draw(st.lists(span_queries(depth + 1), max_size=3))}
+
+
+@st.composite
+def near_valid_span_bodies(draw: st.DrawFn, route: str) -> dict[str, Any]:
+    if route == "/v1/query/execute":
+        return {"g": {"model": "spnl/x", "input": draw(span_queries()), "max_tokens": draw(st.integers(0, 4))}}
+    source = st.fixed_dictionaries({"text": st.text(max_size=12)}) | st.fixed_dictionaries(
+        {"token_ids": st.lists(st.integers(-1, 400), max_size=4)})
+    segment = st.tuples(source, st.none() | st.text(max_size=4)).map(
+        lambda sk: sk[0] if sk[1] is None else {**sk[0], "key": sk[1]})
+    body: dict[str, Any] = {"segments": draw(st.lists(segment, max_size=3) | FIELD_VALUES["segments"])}
+    if draw(st.booleans()):
+        body["cache_salt"] = draw(st.text(max_size=4))
+    if draw(st.integers(0, 9)) == 0:
+        body[draw(st.text(min_size=1, max_size=6))] = draw(json_values)
+    return body
+
+
 def check(http: httpx.Client, route: str, content: bytes, content_type: str = "application/json") -> None:
     with http.stream("POST", route, content=content, headers={"content-type": content_type}) as r:
         raw = r.read()
@@ -98,16 +147,30 @@ def check(http: httpx.Client, route: str, content: bytes, content_type: str = "a
         events = [line for line in raw.decode().split("\n") if line]
         assert events[-1] == "data: [DONE]", raw[-300:]
         assert not any('"error"' in e[:12] for e in events), raw[:500]
+    elif route == "/v1/segments":
+        body = json.loads(raw)
+        for seg in body["data"]:  # unpinned again, so the leak check at the end still holds
+            key = urllib.parse.quote(seg["key"], safe="")
+            assert http.delete(f"/v1/segments/{key}", params={"cache_salt": body["cache_salt"] or ""}).status_code == 200
     else:
         assert "choices" in json.loads(raw)
 
 
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", OPENAI_ROUTES)
 @SETTINGS
 @given(data=st.data())
 def test_near_valid_bodies(http: httpx.Client, route: str, data: st.DataObject) -> None:
     body = data.draw(near_valid_bodies(route))
     check(http, route, json.dumps(body, allow_nan=True).encode())
+
+
+@pytest.mark.parametrize("route", SPAN_ROUTES)
+@SETTINGS
+@given(data=st.data())
+def test_near_valid_span_bodies(http: httpx.Client, route: str, data: st.DataObject) -> None:
+    body = data.draw(near_valid_span_bodies(route))
+    check(http, route, json.dumps(body, allow_nan=True).encode(), data.draw(st.sampled_from(["application/json",
+                                                                                              "text/plain"])))
 
 
 @settings(SETTINGS, max_examples=120)
