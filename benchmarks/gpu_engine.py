@@ -75,6 +75,10 @@ def check_tiny(rows: list) -> None:
         first = [o.token_ids for o in llm.generate(lays, params)]
         second = [o.token_ids for o in llm.generate(lays[::-1], params)][::-1]  # warm, other order
         outs[name] = (first, second)
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    for dev in ("cpu", DEV):  # per-request generators live on the engine's device
+        LLM(str(path), device=dev, block_size=16, num_blocks=64).generate(lays[2], seeded)
+    rows.append(("seeded sampling runs on", DEV, True))
     for name in ("cuda-reference", "cuda-triton"):
         same = outs[name][0] == outs["cpu"][0] and outs[name][1] == outs["cpu"][0]
         rows.append(("tiny greedy tokens == CPU (cold, warm)", name, same))

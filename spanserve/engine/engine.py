@@ -142,7 +142,7 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, ids, params, namespace=namespace, generator=make_generator(params.seed),
+        req = Request(rid, ids, params, namespace=namespace, generator=make_generator(params.seed, self.device),
                       pieces=pieces, policy=pol, **extra)
         self.requests[rid] = req
         self.scheduler.add(req)
