@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from spanserve.model.config import ModelConfig
-from spanserve.model.loader import LoadedModel
+from spanserve.model.loader import LoadedModel, expected_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -122,29 +122,7 @@ def llama3_8b_config() -> ModelConfig:
 
 def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face names and [out, in] shapes of every tensor a Llama-family model reads."""
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-                                          "model.norm.weight": (c.hidden_size,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (q, c.hidden_size),
-            p + "self_attn.k_proj.weight": (kv, c.hidden_size),
-            p + "self_attn.v_proj.weight": (kv, c.hidden_size),
-            p + "self_attn.o_proj.weight": (c.hidden_size, q),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-            p + "input_layernorm.weight": (c.hidden_size,),
-            p + "post_attention_layernorm.weight": (c.hidden_size,),
-        }
-        if c.attention_bias:
-            shapes |= {p + f"self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
-        if c.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)}
-    return shapes
+    return expected_shapes(c)
 
 
 def random_model(config: ModelConfig, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,

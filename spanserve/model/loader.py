@@ -370,7 +370,7 @@ def _gguf_tokenizer(reader: "GGUFReader", path: Path) -> "transformers.PreTraine
     return tokenizer
 
 
-def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
@@ -402,7 +402,7 @@ def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _validate(config: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> None:
     # A config/weights mismatch would otherwise surface as a shape error deep in the forward pass.
-    expected = _expected_shapes(config)
+    expected = expected_shapes(config)
     missing = sorted(expected.keys() - weights.keys())
     unexpected = sorted(weights.keys() - expected.keys())
     wrong = [f"{k}: {tuple(weights[k].shape)} != {v}" for k, v in expected.items()

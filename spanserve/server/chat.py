@@ -9,7 +9,7 @@ from starlette.responses import Response
 from spanserve.engine.outputs import RequestOutput
 from spanserve.engine.sampling import TokenLogprobs
 from spanserve.server.context import Prompt, ServingContext, Submission
-from spanserve.server.errors import APIError
+from spanserve.server.errors import APIError, stream_error_payload
 from spanserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                        ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                        ChatTokenLogprob, DeltaMessage, TopLogprob, new_id, now_s)
@@ -92,9 +92,6 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, sub: Submissi
             yield chunk([choice])
         if include_usage:
             yield chunk([], usage=sub.usage([finals[k] for k in sorted(finals)]))
-    except APIError as e:
-        yield sse(e.body().model_dump_json())
     except Exception as e:  # headers are sent: the error can only travel in the stream
-        yield sse(APIError(500, f"stream failed: {type(e).__name__}: {e}", type="server_error").body()
-                  .model_dump_json())
+        yield sse(stream_error_payload(e))
     yield DONE

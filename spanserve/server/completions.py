@@ -9,7 +9,7 @@ from starlette.responses import Response
 from spanserve.engine.outputs import RequestOutput
 from spanserve.engine.sampling import TokenLogprobs
 from spanserve.server.context import Prompt, ServingContext, Submission
-from spanserve.server.errors import APIError
+from spanserve.server.errors import APIError, stream_error_payload
 from spanserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                        new_id, now_s)
 from spanserve.server.span import completion_layout
@@ -87,9 +87,6 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, sub: Submission, 
             ordered = [finals[k] for k in sorted(finals)]
             chunk = CompletionResponse(id=sub.id, created=created, model=model, choices=[], usage=sub.usage(ordered))
             yield sse(chunk.model_dump_json())
-    except APIError as e:
-        yield sse(e.body().model_dump_json())
     except Exception as e:  # headers are sent: the error can only travel in the stream
-        yield sse(APIError(500, f"stream failed: {type(e).__name__}: {e}", type="server_error").body()
-                  .model_dump_json())
+        yield sse(stream_error_payload(e))
     yield DONE

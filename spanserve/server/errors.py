@@ -99,3 +99,10 @@ def install_handlers(app: FastAPI) -> None:
         # Input errors are all caught before this point; reaching here is a server bug.
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+
+
+def stream_error_payload(e: Exception) -> str:
+    """An error raised after a stream's headers went out, as the JSON of its last SSE event."""
+    err = e if isinstance(e, APIError) else APIError(500, f"stream failed: {type(e).__name__}: {e}",
+                                                     type="server_error")
+    return err.body().model_dump_json()
