@@ -76,6 +76,7 @@ FILLER = (
 )
 ASK = "What is the secret name? Answer with the name only."
 JUDGE = "You will read several short conversations. Each one reveals a secret name."
+PLOT_TITLE = "Names recovered vs. amount of text, {model} (extraction by the final judge)"
 LIST = "List every secret name that appears above, separated by commas. Answer with the names only."
 
 
@@ -146,6 +147,10 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str, fan_in: int) -> 
             ax.plot(ns, [s[f"{key}_mean"] for s in rows], style, label=label)
             if key != "inner":
                 ax.fill_between(ns, [s[f"{key}_min"] for s in rows], [s[f"{key}_max"] for s in rows], alpha=0.15)
+        grp = [(s["n"], s["tree_group_mean"]) for s in rows if s.get("tree_group_mean") is not None]
+        if grp:
+            ax.plot([p[0] for p in grp], [p[1] for p in grp], "s--", color="tab:orange", alpha=0.6,
+                    label="tree: union of first-level judges")
         ax.set_xscale("log", base=2)
         ax.set_xticks(ns, [str(n) for n in ns])
         ax.set_ylim(-0.02, 1.02)
@@ -153,9 +158,10 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str, fan_in: int) -> 
         ax.set_ylabel("fraction of names in the final answer")
         ax.set_title(f"policy={pol}", fontsize=9)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
 
@@ -174,12 +180,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="n in {4, 8}, 2 trials")
     ap.add_argument("--json", default=None, help="default benchmarks/results/attention_locality[_quick].json")
     ap.add_argument("--plot", default=None, help="default docs/attention_locality[_quick].png")
+    ap.add_argument("--from-json", default=None, help="print the table and plot from a results file; run nothing")
     args = ap.parse_args()
     if args.quick:
         args.ns, args.trials = "4,8", 2
     suffix = "_quick" if args.quick else ""
     json_path = Path(args.json or ROOT / "benchmarks" / "results" / f"attention_locality{suffix}.json")
     png_path = Path(args.plot or ROOT / "docs" / f"attention_locality{suffix}.png")
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        report(saved["summary"], argparse.Namespace(**saved["args"]))
+        plot(saved["summary"], png_path, PLOT_TITLE.format(model=saved["model"]), saved["args"]["fan_in"])
+        return
     ns = [int(x) for x in args.ns.split(",")]
     policies = args.policies.split(",")
     if max(ns) > len(NAMES):
@@ -229,6 +241,16 @@ def main() -> None:
             s.update({"inner_mean": statistics.mean(inner), "inner_min": min(inner), "inner_max": max(inner)})
             summary.append(s)
 
+    report(summary, args)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"benchmark": "attention_locality", "model": args.model, "args": vars(args),
+                                     "judge_system": JUDGE, "ask": ASK, "list": LIST, "summary": summary,
+                                     "runs": rows, "wall_s": time.monotonic() - t0}, indent=1))
+    plot(summary, png_path, PLOT_TITLE.format(model=args.model), args.fan_in)
+    print(f"\nwrote {json_path} and {png_path}")
+
+
+def report(summary: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"\nAttention locality, {args.model} CPU float32: fraction of names in the final judge's answer "
           f"(mean over {args.trials} trials; {args.sentences} filler sentences per paragraph)")
     hdr = (f"{'policy':>6} {'n':>3} {'prompt tok':>10} {'inner acc':>9} {'plain acc':>9} {'plain extra':>11} "
@@ -241,13 +263,6 @@ def main() -> None:
         print(f"{s['policy']:>6} {s['n']:>3} {s['final_prompt_tokens']:>10} {s['inner_mean']:>9.2f} "
               f"{s['plain_mean']:>9.2f} {s['plain_extra_mean']:>11.1f} {tree:>15} {s['tree_extra_mean']:>10.1f} "
               f"{s['tree_judge_calls']:>6} {group:>12}")
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"benchmark": "attention_locality", "model": args.model, "args": vars(args),
-                                     "judge_system": JUDGE, "ask": ASK, "list": LIST, "summary": summary,
-                                     "runs": rows, "wall_s": time.monotonic() - t0}, indent=1))
-    plot(summary, png_path, f"Names recovered vs. amount of text, {args.model} (extraction by the final judge)",
-         args.fan_in)
-    print(f"\nwrote {json_path} and {png_path}")
 
 
 if __name__ == "__main__":

@@ -232,12 +232,16 @@ SHORT = {"single_needle": "needle", "multi_key": "multikey", "kv_retrieval": "kv
          "frequent_words": "freqword"}
 
 
+def ms(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.0f}"
+
+
 def table(rows: list[dict], families: list[str]) -> str:
     headers = ["policy", "recompute", "layer-wtd", "acc", "acc/full", *[SHORT[f] for f in families],
                "rag", "chat", "agree", "exact", "TTFT ms"]
     body = [[r["label"], r["recompute_fraction"], r["layer_weighted_compute"], r["accuracy"], r["accuracy_vs_full"],
              *[r["accuracy_by_family"][f] for f in families], r["accuracy_by_layout"]["rag"],
-             r["accuracy_by_layout"]["chat"], r["agreement"], r["exact_match_full"], round(r["ttft_median_ms"])]
+             r["accuracy_by_layout"]["chat"], r["agreement"], r["exact_match_full"], ms(r["ttft_median_ms"])]
             for r in rows]
     return format_table(headers, body)
 
@@ -248,7 +252,7 @@ def markdown(rows: list[dict], families: list[str]) -> str:
     for r in rows:
         cells = [r["label"], f"{r['recompute_fraction']:.1%}", f"{r['accuracy']:.3f}", f"{r['accuracy_vs_full']:.1%}",
                  *[f"{r['accuracy_by_family'][f]:.2f}" for f in families], f"{r['agreement']:.3f}",
-                 f"{r['ttft_median_ms']:.0f}"]
+                 ms(r["ttft_median_ms"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
