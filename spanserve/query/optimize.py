@@ -48,6 +48,11 @@ from .ir import (Chat, Cross, Fragment, Generate, Node, Par, Plus, Repeat, Retri
 from .retrieve import DEFAULT_K, BM25Retriever, Retriever
 
 MAX_PASSES = 64
+MAX_NODES = 50_000  # after expansion; each level of nested distributed generations doubles it
+
+
+class QueryTooLarge(ValueError):
+    """The optimized query would be too large to plan or execute."""
 
 
 class OptimizeError(RuntimeError):
@@ -237,10 +242,23 @@ def _pass(node: Node, rules: Sequence[Rule], options: Options) -> tuple[Node, bo
     return node, changed
 
 
+def _check_size(node: Node, limit: int = MAX_NODES) -> None:
+    # Rewrites share subtrees, so memory stays small even when the expanded tree is huge; walking
+    # it (to plan, run or serialize) would not. Count with a cap so this check itself stays cheap.
+    stack, n = [node], 0
+    while stack:
+        n += 1
+        if n > limit:
+            raise QueryTooLarge(f"the optimized query has more than {limit} nodes: every level of nested "
+                                "generations inside a plus copies the inner inputs; flatten the nesting")
+        stack.extend(children(stack.pop()))
+
+
 def rewrite(node: Node, rules: Sequence[Rule], options: Options, max_passes: int = MAX_PASSES) -> Node:
     """Apply ``rules`` bottom-up, pass after pass, until a pass changes nothing."""
     for _ in range(max_passes):
         node, changed = _pass(node, rules, options)
+        _check_size(node)
         if not changed:
             return node
     raise OptimizeError(f"rewrite rules did not reach a fixed point within {max_passes} passes")
