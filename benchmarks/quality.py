@@ -84,16 +84,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cases", type=int, default=40, help="cases per task family (default 40; --quick: 3)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 3 cases per family")
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    ap.add_argument("--ctx", type=int, default=256, help="context tokens per case (the plus segments together)")
+    ap.add_argument("--ctx", type=int, default=512, help="context tokens per case (the plus segments together)")
     ap.add_argument("--chunks", type=int, default=2, help="plus segments per case")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--group", type=int, default=100, help="cases run together (their pins held together)")
-    ap.add_argument("--timed", type=int, default=8,
-                    help="per family, the first N cases also run alone for TTFT (default 8; --quick: all)")
+    ap.add_argument("--group", type=int, default=50, help="cases run together (their pins held together)")
+    ap.add_argument("--timed", type=int, default=2,
+                    help="per family, the first N cases also run alone for TTFT (default 2; --quick: all)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads; on a shared 2-core CPU one thread is several times faster than two")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes, each with its own engine (default 2)")
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="weights and KV (default bfloat16, the serving dtype; ~1.5x faster than float32 here)")
     ap.add_argument("--out", default=None, help="file name under benchmarks/results/ (default quality[_quick].json)")
     ap.add_argument("--plot", default=None, help="file name under docs/ (default quality[_quick].png)")
     args = ap.parse_args(argv)
@@ -109,14 +111,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---- running -----------------------------------------------------------------------------------
 def build_llm(args: argparse.Namespace, model: LoadedModel, max_prompt: int, max_ctx: int) -> LLM:
-    per_block = bytes_per_block(model.config, BLOCK_SIZE, torch.float32)
+    per_block = bytes_per_block(model.config, BLOCK_SIZE, getattr(torch, args.dtype))
     blocks = lambda n: -(-n // BLOCK_SIZE) + args.chunks + 1  # noqa: E731 (partial blocks per segment)
     # A group's pinned documents, then its requests' own blocks: run 2 of a policy holds a whole
     # group at once, and the previous policy's blocks wait for LRU eviction.
     pinned = args.group * blocks(max_ctx)
     working = 3 * args.group * blocks(max_prompt + args.max_tokens) // 2
     num_blocks = pinned + working + 256
-    llm = LLM(model, device="cpu", dtype="float32", block_size=BLOCK_SIZE, kv_cache_memory=num_blocks * per_block,
+    llm = LLM(model, device="cpu", dtype=args.dtype, block_size=BLOCK_SIZE, kv_cache_memory=num_blocks * per_block,
               max_num_seqs=max(args.group, 1), max_num_batched_tokens=max(4096, max_prompt + 1),
               pin_fraction=min(0.9, (pinned + 64) / num_blocks))
     print(f"KV pool {num_blocks * per_block / 2**30:.2f} GiB ({num_blocks} blocks of {BLOCK_SIZE}, "
@@ -306,36 +308,67 @@ def plot(rows: list[dict], title: str, name: str) -> str:
     return str(path)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def make_cases(args: argparse.Namespace, tok: Any) -> list[Case]:
+    encode = lambda s: list(tok.encode(s, add_special_tokens=False))  # noqa: E731
+    # Families interleaved, so every group (and a cut-short run) covers all of them.
+    return [make_case(f, LAYOUTS[i % len(LAYOUTS)], i, args.seed, encode, args.ctx, args.chunks)
+            for i in range(args.cases) for f in args.families]
+
+
+def run_groups(args: argparse.Namespace, which: list[int], worker: int = 0) -> dict[str, Any]:
+    """Runs the groups numbered `which` in this process (one LLM, its own KV pool)."""
     set_threads(args.threads)
     t0, c0 = time.perf_counter(), time.process_time()
     vs = variants()
-    model = load_model(args.model, torch.float32, torch.device("cpu"))
-    tok = model.tokenizer
-    encode = lambda s: list(tok.encode(s, add_special_tokens=False))  # noqa: E731
-    # Families interleaved, so every group (and a cut-short run) covers all of them.
-    cases = [make_case(f, LAYOUTS[i % len(LAYOUTS)], i, args.seed, encode, args.ctx, args.chunks)
-             for i in range(args.cases) for f in args.families]
-    max_prompt = max(c.prompt_tokens for c in cases)
-    print(f"{len(cases)} cases ({args.cases} per family x {len(args.families)}), context {args.ctx} tokens in "
-          f"{args.chunks} plus segments, prompts {min(c.prompt_tokens for c in cases)}-{max_prompt} tokens; "
-          f"{len(vs)} policies; torch threads {torch.get_num_threads()}", flush=True)
-    llm = build_llm(args, model, max_prompt, max(c.context_tokens for c in cases))
+    model = load_model(args.model, getattr(torch, args.dtype), torch.device("cpu"))
+    cases = make_cases(args, model.tokenizer)
+    groups = [cases[i:i + args.group] for i in range(0, len(cases), args.group)]
+    llm = build_llm(args, model, max(c.prompt_tokens for c in cases), max(c.context_tokens for c in cases))
     del model
-    num_layers = llm.engine.config.num_layers
     t_load = time.perf_counter() - t0
     records: list[dict[str, Any]] = []
     stats: dict[str, Any] = {"anomalies": [], "rerun_computed": [], "first_token_mismatch": 0}
-    groups = [cases[i:i + args.group] for i in range(0, len(cases), args.group)]
-    for g, group in enumerate(groups):
+    todo = sum(len(groups[g]) for g in which)
+    for g in which:
         tg = time.perf_counter()
-        run_group(llm, group, f"g{g}", vs, args, records, stats)
+        run_group(llm, groups[g], f"g{g}", vs, args, records, stats)
         done = len(records)
         el = time.perf_counter() - t0
-        print(f"group {g + 1}/{len(groups)}: {len(group)} cases in {time.perf_counter() - tg:.0f} s; "
-              f"{done}/{len(cases)} done, {el:.0f} s elapsed, ~{el / done * (len(cases) - done):.0f} s to go", flush=True)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        print(f"[worker {worker}] group {g + 1}/{len(groups)}: {len(groups[g])} cases in {time.perf_counter() - tg:.0f} s;"
+              f" {done}/{todo} done, {el:.0f} s elapsed, ~{el / done * (todo - done):.0f} s to go", flush=True)
+    return {"records": records, "stats": stats, "num_layers": llm.engine.config.num_layers, "load_s": t_load,
+            "cpu_s": time.process_time() - c0}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    vs = variants()
+    cases = make_cases(args, load_model(args.model, torch.float32, torch.device("cpu")).tokenizer)
+    max_prompt = max(c.prompt_tokens for c in cases)
+    n_groups = -(-len(cases) // args.group)
+    workers = max(1, min(args.workers, n_groups))
+    print(f"{len(cases)} cases ({args.cases} per family x {len(args.families)}), context {args.ctx} tokens in "
+          f"{args.chunks} plus segments, prompts {min(c.prompt_tokens for c in cases)}-{max_prompt} tokens; "
+          f"{len(vs)} policies; {n_groups} groups over {workers} worker process(es) x {args.threads} torch thread(s)",
+          flush=True)
+    shares = [list(range(w, n_groups, workers)) for w in range(workers)]
+    if workers == 1:
+        parts = [run_groups(args, shares[0])]
+    else:  # separate processes: the engine's host work is single-threaded Python, so two 1-thread
+        # engines keep two cores busier than one engine with two torch threads
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(workers) as pool:
+            parts = pool.starmap(run_groups, [(args, share, w) for w, share in enumerate(shares)])
+    records = sorted((r for p in parts for r in p["records"]), key=lambda r: (r["index"], args.families.index(r["family"])))
+    stats: dict[str, Any] = {"anomalies": [], "rerun_computed": [], "first_token_mismatch": 0}
+    for p in parts:
+        for k in stats:
+            stats[k] += p["stats"][k]
+    num_layers = parts[0]["num_layers"]
+    t_load = max(p["load_s"] for p in parts)
+    wall, cpu = time.perf_counter() - t0, sum(p["cpu_s"] for p in parts)
     rows = summarize(records, vs, args.families, num_layers)
     print()
     print(table(rows, args.families))
@@ -347,14 +380,14 @@ def main(argv: list[str] | None = None) -> None:
     if stats["rerun_computed"] or stats["first_token_mismatch"]:
         print(f"! decode runs: {len(stats['rerun_computed'])} did not hit the whole prompt; "
               f"{stats['first_token_mismatch']} first tokens differ from the run alone")
-    print(f"\nwall {wall:.0f} s (model load {t_load:.0f} s), process CPU time {cpu:.0f} s, "
-          f"{torch.get_num_threads()} torch thread(s)")
+    print(f"\nwall {wall:.0f} s (model load {t_load:.0f} s), workers' CPU time {cpu:.0f} s, "
+          f"{workers} worker(s) x {args.threads} torch thread(s)")
     title = (f"SmolLM2-135M-Instruct, {len(cases)} cases ({args.cases}/family x {len(args.families)} families), "
              f"context {args.ctx} tokens in {args.chunks} plus segments")
     png = plot(rows, title, args.plot)
     config = {k: v for k, v in vars(args).items()}
     path = write_json(args.out, {
-        "benchmark": "quality", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to float32, CPU)",
+        "benchmark": "quality", "model": f"SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to {args.dtype}, CPU)",
         "config": config, "num_layers": num_layers, "wall_s": wall, "cpu_s": cpu, "model_load_s": t_load,
         "summary": rows, "findings": findings(rows), "markdown_table": markdown(rows, args.families),
         "checks": {"anomalies": stats["anomalies"], "decode_runs_not_all_hit": len(stats["rerun_computed"]),
