@@ -90,8 +90,11 @@ def check_8b(model, rows: list) -> None:
     doc = torch.randint(3, 128000, (700,), generator=gen).tolist()
     lays = layouts(gen, 128000, doc)
     logits = {}
-    for name, be in [("reference", None), ("triton", TritonBackend())]:
+    for name, be in [("reference", None), ("triton", TritonBackend()), ("triton-eager-ops", TritonBackend())]:
         eng = LLMEngine(model, device=DEV, dtype="bfloat16", num_blocks=2048, backend=be)
+        if name == "triton-eager-ops":
+            from spanserve.model.llama import _Eager
+            eng.model.ops = _Eager
         got = []
         for lay in lays + lays:  # cold then warm
             eng.add_request(lay, SamplingParams(max_tokens=1))
@@ -110,6 +113,27 @@ def check_8b(model, rows: list) -> None:
             torch.cuda.empty_cache()
     errs = [((a - b).norm() / b.norm()).item() for a, b in zip(logits["triton"], logits["reference"])]
     rows.append(("8B bf16 logits rel err triton vs reference (max over 6)", "", f"{max(errs):.2e}"))
+    errs = [((a - b).norm() / b.norm()).item() for a, b in zip(logits["triton"], logits["triton-eager-ops"])]
+    rows.append(("8B bf16 logits rel err fused vs eager elementwise ops (max over 6)", "", f"{max(errs):.2e}"))
+
+
+def check_graphs(model, rows: list) -> None:
+    """Decode through CUDA graphs gives the eager engine's greedy tokens (8B, span layouts, batch 3)."""
+    gen = torch.Generator().manual_seed(3)
+    doc = torch.randint(3, 128000, (300,), generator=gen).tolist()
+    lays = layouts(gen, 128000, doc)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    toks = {}
+    for name, graphs in (("graphs", "auto"), ("eager", False)):
+        eng = LLMEngine(model, device=DEV, dtype="bfloat16", num_blocks=1024, backend=TritonBackend(), cuda_graphs=graphs)
+        reqs = [eng.add_request(p, params) for p in lays]
+        while eng.has_unfinished():
+            eng.step()
+        toks[name] = [r.output_token_ids for r in reqs]
+        if name == "graphs":
+            replays = eng.runner.graphs.replays if eng.runner.graphs is not None else 0
+        del eng
+    rows.append(("8B greedy tokens, CUDA-graph decode == eager", f"{replays} replays", toks["graphs"] == toks["eager"]))
 
 
 def prefill_and_decode(model, n_prefill: int, steps: int, peak_tflops: float, bw: float, rows: list) -> dict:
@@ -172,6 +196,8 @@ def main() -> None:
                              "num_heads": 4, "num_kv_heads": 2, "head_dim": 32})
     model = random_model(cfg, DEV, torch.bfloat16)
     check_8b(model, rows)
+    if not args.dry:
+        check_graphs(model, rows)
     res = prefill_and_decode(model, args.prefill, args.decode_steps, peak, bw, rows)
     print(format_table(["check", "value", "note"], rows))
     write_json(args.out, {"rows": [list(map(str, r)) for r in rows], "peak_tflops": peak, "copy_gbps": bw, **res})

@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--backend", default="reference", choices=["reference", "triton"])
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--decode", action="store_true", help="profile decode steps at batch 1 instead")
     ap.add_argument("--out", default="host_profile.json")
     args = ap.parse_args(argv)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
               max_num_batched_tokens=args.n * args.doc_len + args.question_len, pin_fraction=0.6, **extra)
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
+    if args.decode:
+        return decode_profile(llm, random_tokens(gen, 512, vocab), args)
     docs = [random_tokens(gen, args.doc_len, vocab) for _ in range(args.n)]
     llm.pin([Segment(token_ids=d, kind="plus", key=f"d{i}") for i, d in enumerate(docs)])
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -91,6 +94,32 @@ def main(argv: list[str] | None = None) -> None:
           f"(N={args.n} x {args.doc_len} + {args.question_len}); profiled run {1e3 * wall:.1f} ms wall")
     write_json(args.out, {"benchmark": "host_profile", "args": vars(args), "ttft_s": ttfts,
                           "profile_cumulative": s.getvalue(), "profile_tottime": s2.getvalue()})
+
+
+def decode_profile(llm: LLM, prompt: list[int], args: argparse.Namespace) -> None:
+    eng = llm.engine
+    eng.add_request(prompt, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    for _ in range(20):  # prefill, graph capture, warm-up
+        eng.step()
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    times = []
+    for _ in range(50):
+        sync()
+        t0 = time.perf_counter()
+        eng.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        eng.step()
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+    print(s.getvalue()[-8000:])
+    print(f"decode step at batch 1: median {1e3 * median(times):.2f} ms")
+    write_json(args.out, {"benchmark": "host_profile_decode", "args": vars(args), "step_s": times,
+                          "profile_tottime": s.getvalue()})
 
 
 if __name__ == "__main__":

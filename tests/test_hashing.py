@@ -1,5 +1,7 @@
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from spanserve.cache.hashing import block_key, chain_keys, seed
 
@@ -105,3 +107,22 @@ def test_chain_keys_edge_cases():
 
 def test_chain_depends_on_seed():
     assert chain_keys(seed("a"), TOKS, 4)[1] != chain_keys(seed("b"), TOKS, 4)[1]
+
+
+@given(st.lists(st.integers(0, 50), min_size=16, max_size=80), st.booleans(), st.sampled_from([2, 4]))
+def test_memoized_chains_equal_manual_chaining(toks, partial, bs):
+    """Long units are memoized: a second call (and a call with another seed, block size or
+    partial flag) must still return exactly the block-by-block chain."""
+    for s in (seed("m"), seed("n")):
+        manual, parent = [], s
+        for i in range(0, len(toks), bs):
+            blk = toks[i:i + bs]
+            if len(blk) < bs and not partial:
+                break
+            parent = block_key(parent, blk)
+            manual.append(parent)
+        assert chain_keys(s, toks, bs, include_partial=partial) == manual
+        got = chain_keys(s, toks, bs, include_partial=partial)
+        assert got == manual
+        got.append(0)  # the caller owns the returned list: the memo must not change
+        assert chain_keys(s, toks, bs, include_partial=partial) == manual

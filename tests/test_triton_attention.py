@@ -160,8 +160,9 @@ def test_spans_follow_delta_runs() -> None:
     row = Row(0, 1, torch.tensor([n - 1]), torch.tensor(slots), torch.tensor(deltas))
     plan = AttentionPlan([row], torch.tensor([n - 1]), torch.tensor([slots[-1]]))
     lay = TritonBackend().prepare(plan, Rotary(D, 10000.0, None, torch.device("cpu")), BS)
-    assert lay.span_start.tolist() == [0, 19, 21] and lay.span_end.tolist() == [19, 21, 29]
-    assert lay.span_delta.tolist() == [5, 0, -7]
+    r = lay.rows[0]
+    assert r.span_starts.tolist() == [0, 19, 21] and r.span_ends.tolist() == [19, 21, 29]
+    assert r.span_delta.tolist() == [5, 0, -7]
     # Fused tiles stop at span ends; prerotated tiles ignore spans.
     (fused, _) = lay.launches(4, 8, 16, 8, prerotate_big=True)
     assert fused.tile_start.tolist() == [0, 8, 16, 19, 21] and fused.tile_delta.tolist() == [5, 5, 5, 0, -7]

@@ -2,8 +2,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
+
+
+class HostRow(NamedTuple):
+    """A row's arrays as numpy, when the plan was built on the host: a backend that preprocesses
+    on the host reads these rather than copying the device tensors back (a sync per step)."""
+
+    q_pos: np.ndarray
+    key_slots: np.ndarray
+    key_delta: np.ndarray | None
+    anchor_end: np.ndarray | None
+    seg_start: np.ndarray | None
 
 
 @dataclass
@@ -22,6 +35,7 @@ class Row:
     key_delta: torch.Tensor | None = None  # [N] long; None when all zero
     anchor_end: torch.Tensor | None = None  # [nq] long
     seg_start: torch.Tensor | None = None  # [nq] long
+    host: HostRow | None = None  # the same arrays on the host, if the plan has them
 
     @property
     def num_queries(self) -> int:

@@ -107,6 +107,18 @@ class BlockPool:
             return None
         return block
 
+    def lookup_chain(self, keys: Sequence[int], tokens: Sequence[int], block_size: int) -> list[Block | None]:
+        """lookup() of consecutive full blocks of `tokens` under their chain keys, in one pass."""
+        toks = tuple(tokens)
+        get = self._index.get
+        out: list[Block | None] = []
+        for i, key in enumerate(keys):
+            block = get(key)
+            if block is not None and block.tokens != toks[i * block_size:(i + 1) * block_size]:
+                block = None
+            out.append(block)
+        return out
+
     def acquire(self, block: Block) -> None:
         if block.ref_cnt == 0:
             self._unlink(block)  # a cache hit on a free block revives it in O(1)

@@ -3,7 +3,9 @@
 that compute the holes, publishes computed blocks and releases them."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from spanserve.cache import hashing
 from spanserve.cache.block_pool import Block, BlockPool
@@ -14,8 +16,7 @@ from spanserve.engine.request import Request, Task
 from spanserve.reuse.recompute import RecomputeSpec
 
 
-@dataclass
-class _Slot:
+class _Slot(NamedTuple):
     """One block of a unit: a shared cached block, or a fresh one whose first `copy_n` slots are
     copied from `src` (a cached block holding a prefix of this block's tokens)."""
 
@@ -85,7 +86,11 @@ class CacheManager:
         bs = self.block_size
         n_blocks = -(-len(tokens) // bs)
         plan: list[_Slot] = []
+        hits = self.pool.lookup_chain(keys, tokens, bs)  # the full blocks, in one pass
         for i in range(n_blocks):
+            if i < len(hits) and hits[i] is not None and not (extended and i == n_blocks - 1):
+                plan.append(_Slot(shared=hits[i]))
+                continue
             toks = tokens[i * bs:(i + 1) * bs]
             parent = keys[i - 1] if i else seed
             last = i == n_blocks - 1
@@ -162,6 +167,13 @@ class CacheManager:
         contiguous = True
         bs = self.block_size
         for u, plan in zip(units_all, plans):
+            if plan and all(s.shared is not None for s in plan):  # wholly cached: no per-block work
+                blocks = [s.shared for s in plan]
+                req.held.extend(blocks)
+                u.blocks.extend(blocks)
+                u.n_valid.extend([bs] * (len(plan) - 1) + [len(u.tokens) - (len(plan) - 1) * bs])
+                reuse["segment" if u.plus else ("prefix" if contiguous else "perforated")] += len(u.tokens)
+                continue
             for i, s in enumerate(plan):
                 n_tok = min(bs, len(u.tokens) - i * bs)
                 if s.shared is not None:
@@ -206,7 +218,7 @@ class CacheManager:
         that prefix as its anchor), then the rest of the main row (it reads the segments)."""
         bs = self.block_size
         entries = self.entries(units)
-        tokens = [t for u in units for t in u.tokens]
+        tokens = list(itertools.chain.from_iterable(u.tokens for u in units))
         first_plus = next((i for i, u in enumerate(units) if u.plus or u.source is not None), len(units))
         before = [u.start + p for u in units[:first_plus] for p in u.todo]
         after = [u.start + p for u in units[first_plus:] if not u.plus for p in u.todo]

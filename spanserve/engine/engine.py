@@ -50,6 +50,7 @@ class LLMEngine:
         default_policy: str | Policy = "none",
         pin_fraction: float = 0.5,
         reposition: str = "deferred",
+        cuda_graphs: "bool | str" = "auto",
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -78,7 +79,9 @@ class LLMEngine:
         self.storage = KVStorage(self.config, num_blocks, block_size, self.dtype, self.device)
         self.manager = CacheManager(self.pool, self.storage, block_size, reposition, self.model.rotary)
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.storage, backend or ReferenceBackend())
+        # cuda_graphs: decode steps replay CUDA graphs on a GPU with the Triton backend ("auto");
+        # False runs every step eagerly (vLLM's enforce_eager)
+        self.runner = ModelRunner(self.model, self.storage, backend or ReferenceBackend(), cuda_graphs)
         self.sampler = Sampler()
         limit = min(self.config.max_position_embeddings, num_blocks * block_size)
         self.max_model_len = min(max_model_len or limit, limit)

@@ -5,9 +5,10 @@ import numpy as np
 import torch
 
 from spanserve.attention.backend import AttentionBackend
-from spanserve.attention.plan import AttentionPlan, Row
+from spanserve.attention.plan import AttentionPlan, HostRow, Row
 from spanserve.cache.storage import KVStorage
 from spanserve.cache.table import delta_array
+from spanserve.engine.cuda_graphs import DecodeGraphs
 from spanserve.engine.scheduler import Chunk
 from spanserve.model.llama import LlamaModel
 from spanserve.reuse.recompute import Recompute, RecomputeRow
@@ -29,14 +30,18 @@ def build_plan(chunks: list[Chunk], block_size: int, device: torch.device) -> tu
         ids.append(np.asarray(t.tokens, dtype=np.int64)[pos] if nq > 64 else [t.tokens[p] for p in c.positions])
         positions.append(pos)
         writes.append(slots[pos])
+        host = HostRow(pos, slots[:n_keys], None if deltas is None else deltas[:n_keys],
+                       None if t.anchor_end is None else np.full(nq, t.anchor_end, dtype=np.int64),
+                       None if t.seg_start is None else np.full(nq, t.seg_start, dtype=np.int64))
         rows.append(Row(
             q_start=start,
             q_end=start + nq,
             q_pos=torch.from_numpy(pos).to(device),
-            key_slots=torch.from_numpy(slots[:n_keys]).to(device),
-            key_delta=None if deltas is None else torch.from_numpy(deltas[:n_keys]).to(device),
+            key_slots=torch.from_numpy(host.key_slots).to(device),
+            key_delta=None if deltas is None else torch.from_numpy(host.key_delta).to(device),
             anchor_end=None if t.anchor_end is None else torch.full((nq,), t.anchor_end, device=device),
             seg_start=None if t.seg_start is None else torch.full((nq,), t.seg_start, device=device),
+            host=host,
         ))
         sample_at.append(start + nq - 1 if t.sample and c.positions[-1] == len(t.tokens) - 1 else -1)
         start += nq
@@ -50,13 +55,20 @@ def build_plan(chunks: list[Chunk], block_size: int, device: torch.device) -> tu
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, storage: KVStorage, backend: AttentionBackend):
+    def __init__(self, model: LlamaModel, storage: KVStorage, backend: AttentionBackend,
+                 graphs: "bool | str" = "auto"):
+        """graphs: decode steps as CUDA graphs; "auto" = on a CUDA device with a backend that has
+        fixed-address layouts; "eager" = the fixed-address path without capture (tests)."""
         self.model = model
         self.storage = storage
         self.backend = backend
         n = model.config.num_layers
         self.k_caches = [storage.k[i] for i in range(n)]
         self.v_caches = [storage.v[i] for i in range(n)]
+        self.graphs: DecodeGraphs | None = None
+        capable = hasattr(backend, "static_decode")
+        if capable and (graphs == "eager" or (graphs in ("auto", True) and model.device.type == "cuda")):
+            self.graphs = DecodeGraphs(model, backend, self.k_caches, self.v_caches, capture=graphs != "eager")
 
     def _recompute_rows(self, chunks: list[Chunk], plan: AttentionPlan) -> list[RecomputeRow]:
         out = []
@@ -81,7 +93,11 @@ class ModelRunner:
         ids, plan, sample_at = build_plan(chunks, self.storage.block_size, self.model.device)
         rows = self._recompute_rows(chunks, plan)
         hooks = Recompute(rows, ids.numel(), self.model.rotary, self.storage.block_size) if rows else None
-        hidden = self.model.forward(ids, plan, self.backend, self.k_caches, self.v_caches, hooks)
+        hidden = None
+        if self.graphs is not None and hooks is None:
+            hidden = self.graphs.run(ids, plan)
+        if hidden is None:
+            hidden = self.model.forward(ids, plan, self.backend, self.k_caches, self.v_caches, hooks)
         for c, r in zip([c for c in chunks if c.recompute is not None], rows):
             c.request.recompute_stats = r.stats
         picks = [i for i in sample_at if i >= 0]

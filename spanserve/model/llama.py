@@ -37,11 +37,48 @@ class LayerHooks(Protocol):
         """Runs between the layer's K/V write and its attention."""
 
 
+class _Eager:
+    """The elementwise ops as plain torch (any device); spanserve.model.fused has the same four
+    as Triton kernels, one memory pass each."""
+
+    rms_norm = staticmethod(rms_norm)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        h = residual + x
+        return rms_norm(h, weight, eps), h
+
+    @staticmethod
+    def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(x, cos, sin).contiguous()
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _ops(fused: bool | None, device: torch.device) -> object:
+    if fused is None:  # auto: the Triton kernels on a GPU when Triton is there
+        fused = device.type == "cuda"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            fused = False
+    if not fused:
+        return _Eager
+    from spanserve.model import fused as ops
+    return ops
+
+
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 fused: bool | None = None):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.ops = _ops(fused, self.device)
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -86,17 +123,21 @@ class LlamaModel:
         k_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, KVH, D]
         v_caches: list[torch.Tensor],
         hooks: LayerHooks | None = None,
+        prepared: object = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden] (rows of tokens dropped from the
-        active set by `hooks` hold stale values)."""
+        active set by `hooks` hold stale values). `prepared`: the backend's layout of `plan`,
+        when the caller made it (fixed-address layouts for CUDA graphs)."""
         c = self.config
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         block_size = k_caches[0].shape[1]
         cos_all, sin_all = self.rotary.cos_sin(plan.positions, self.dtype)
         h = self.embed[input_ids]
         idx: torch.Tensor | None = None
-        prepared = backend.prepare(plan, self.rotary, block_size)
+        if prepared is None:
+            prepared = backend.prepare(plan, self.rotary, block_size)
         cos, sin = cos_all, sin_all
+        ops = self.ops
         for i, L in enumerate(self.layers):
             new_idx = hooks.active(i) if hooks is not None else None
             if new_idx is not idx:  # the active set shrank: a sub-plan for the remaining tokens
@@ -106,27 +147,25 @@ class LlamaModel:
                 cos, sin = (cos_all, sin_all) if idx is None else (cos_all[idx], sin_all[idx])
             hx = h if idx is None else h[idx]
             T = hx.shape[0]
-            x = rms_norm(hx, L.input_norm, c.rms_norm_eps)
+            x = ops.rms_norm(hx, L.input_norm, c.rms_norm_eps)
             qkv = F.linear(x, L.qkv, L.qkv_bias)
             q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
             q, k, v = q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
             if L.q_norm is not None:
-                q = rms_norm(q, L.q_norm, c.rms_norm_eps)
-                k = rms_norm(k, L.k_norm, c.rms_norm_eps)
-            q, k, v = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin).contiguous(), v.contiguous()
+                q = ops.rms_norm(q, L.q_norm, c.rms_norm_eps)
+                k = ops.rms_norm(k, L.k_norm, c.rms_norm_eps)
+            q, k, v = ops.rotary(q, cos, sin), ops.rotary(k, cos, sin), v.contiguous()
             backend.write(prepared, k, v, k_caches[i], v_caches[i])
             if hooks is not None:
                 hooks.after_write(i, q, k, v, idx, k_caches[i], v_caches[i])
             attn = backend.attend(prepared, q, k_caches[i], v_caches[i])
-            hx = hx + F.linear(attn, L.o)
-            x = rms_norm(hx, L.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(x, L.gate_up).chunk(2, dim=-1)
-            hx = hx + F.linear(F.silu(gate) * up, L.down)
+            x, hx = ops.add_rms_norm(F.linear(attn, L.o), hx, L.post_norm, c.rms_norm_eps)
+            hx = hx + F.linear(ops.silu_mul(F.linear(x, L.gate_up)), L.down)
             if idx is None:
                 h = hx
             else:
                 h[idx] = hx
-        return rms_norm(h, self.norm, c.rms_norm_eps)
+        return ops.rms_norm(h, self.norm, c.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()

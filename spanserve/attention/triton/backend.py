@@ -13,6 +13,7 @@ from spanserve.attention.backend import AttentionBackend
 from spanserve.attention.plan import AttentionPlan
 from spanserve.attention.triton.kernels import attention_kernel, kv_write_kernel, reposition_kernel, rotate_keys_kernel
 from spanserve.attention.triton.layout import NUM_FIELDS, Launch, Prerotation, StepLayout, build_layout
+from spanserve.attention.triton.static import StaticDecode
 from spanserve.model.layers import Rotary
 
 
@@ -52,6 +53,19 @@ class TritonBackend(AttentionBackend):
     def prepare(self, plan: AttentionPlan, rotary: Rotary, block_size: int) -> StepLayout:
         return build_layout(plan, rotary.inv_freq)
 
+    def launches(self, prepared: StepLayout, G: int) -> tuple[Launch, Launch]:
+        """(decode launch, prefill launch) of a step for G query heads per KV head."""
+        dec_m = _pow2_at_least(G, self.decode_cfg.block_m)
+        pre_m = _pow2_at_least(G, self.prefill_cfg.block_m)
+        return prepared.launches(dec_m // G, self.decode_cfg.block_n, pre_m // G,
+                                 self.prefill_cfg.block_n, self.prerotate_prefill)
+
+    static_eligible = staticmethod(StaticDecode.eligible)
+
+    def static_decode(self, batch: int, inv_freq: torch.Tensor, device: torch.device,
+                      capacity: int = 1 << 14) -> StaticDecode:
+        return StaticDecode(batch, inv_freq.to(device=device, dtype=torch.float32).contiguous(), device, capacity)
+
     def write(self, prepared: StepLayout, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor) -> None:
         write_kv(k, v, k_cache, v_cache, prepared.write_slots)
@@ -67,8 +81,7 @@ class TritonBackend(AttentionBackend):
         out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
         dec_m = _pow2_at_least(G, self.decode_cfg.block_m)
         pre_m = _pow2_at_least(G, self.prefill_cfg.block_m)
-        small, big = prepared.launches(dec_m // G, self.decode_cfg.block_n, pre_m // G,
-                                       self.prefill_cfg.block_n, self.prerotate_prefill)
+        small, big = self.launches(prepared, G)
         for launch, cfg, bm in ((big, self.prefill_cfg, pre_m), (small, self.decode_cfg, dec_m)):
             if launch.desc.shape[0]:
                 # Held until the launch is queued: the kernel reads K rows from it.

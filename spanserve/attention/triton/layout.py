@@ -77,13 +77,11 @@ class StepLayout:
     q_pos: torch.Tensor  # [T] int32, indexed by flat token
     anchor: torch.Tensor  # [T] int32 (0 for causal rows)
     seg: torch.Tensor  # [T] int32 (0 for causal rows)
-    span_start: torch.Tensor  # [S] int32 key index in its row
-    span_end: torch.Tensor
-    span_delta: torch.Tensor
     inv_freq: torch.Tensor  # [D/2] float32, the RoPE frequencies the kernels rotate with
     has_delta: bool
     has_plus: bool
     rows: list[_RowHost]
+    fixed: tuple[Launch, Launch] | None = None  # set by a static (graph) layout: its launches
     _launches: dict[tuple[int, int, int, int, bool], tuple[Launch, Launch]] = field(default_factory=dict)
 
     def launches(self, small_q: int, small_n: int, big_q: int, big_n: int,
@@ -91,6 +89,8 @@ class StepLayout:
         """The two launches: rows of at most `small_q` queries (decodes) get programs of `small_q`
         tokens and tiles of `small_n` keys, fused rotation; the rest `big_q` and `big_n`, with
         their rotation done beforehand when `prerotate_big`."""
+        if self.fixed is not None:
+            return self.fixed
         key = (small_q, small_n, big_q, big_n, prerotate_big)
         if key not in self._launches:
             small = [r for r in self.rows if r.q_end - r.q_start <= small_q]
@@ -107,15 +107,26 @@ def _cat_host(parts: list[torch.Tensor]) -> np.ndarray:
     return torch.cat([p.reshape(-1).long() for p in parts]).cpu().numpy()
 
 
+def _cat_np(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, dtype=np.int64)
+
+
 def build_layout(plan: AttentionPlan, inv_freq: torch.Tensor) -> StepLayout:
     rows = plan.rows
     dev = plan.write_slots.device
     T = int(plan.positions.numel())
-    q_pos = _cat_host([r.q_pos for r in rows])
     has_plus = any(r.anchor_end is not None or r.seg_start is not None for r in rows)
-    anchor = _cat_host([r.anchor_end if r.anchor_end is not None else torch.zeros_like(r.q_pos) for r in rows])
-    seg = _cat_host([r.seg_start if r.seg_start is not None else torch.zeros_like(r.q_pos) for r in rows])
-    deltas = _cat_host([r.key_delta for r in rows if r.key_delta is not None])
+    if all(r.host is not None for r in rows):  # built on the host: no device round trip
+        hs = [r.host for r in rows]
+        q_pos = _cat_np([h.q_pos for h in hs])
+        anchor = _cat_np([h.anchor_end if h.anchor_end is not None else np.zeros_like(h.q_pos) for h in hs])
+        seg = _cat_np([h.seg_start if h.seg_start is not None else np.zeros_like(h.q_pos) for h in hs])
+        deltas = _cat_np([h.key_delta for h in hs if h.key_delta is not None])
+    else:
+        q_pos = _cat_host([r.q_pos for r in rows])
+        anchor = _cat_host([r.anchor_end if r.anchor_end is not None else torch.zeros_like(r.q_pos) for r in rows])
+        seg = _cat_host([r.seg_start if r.seg_start is not None else torch.zeros_like(r.q_pos) for r in rows])
+        deltas = _cat_host([r.key_delta for r in rows if r.key_delta is not None])
 
     tok = np.zeros((3, T), dtype=np.int64)
     host_rows: list[_RowHost] = []
@@ -148,8 +159,6 @@ def build_layout(plan: AttentionPlan, inv_freq: torch.Tensor) -> StepLayout:
         write_slots=plan.write_slots.to(device=dev, dtype=torch.long),
         key_slots=key_slots.to(torch.int32),
         q_pos=dev32([tok[0]]), anchor=dev32([tok[1]]), seg=dev32([tok[2]]),
-        span_start=dev32([r.span_starts for r in host_rows]), span_end=dev32([r.span_ends for r in host_rows]),
-        span_delta=dev32([r.span_delta for r in host_rows]),
         inv_freq=inv_freq.to(device=dev, dtype=torch.float32).contiguous(),
         has_delta=any(bool((r.span_delta != 0).any()) for r in host_rows),
         has_plus=has_plus, rows=host_rows,
