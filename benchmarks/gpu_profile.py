@@ -64,6 +64,19 @@ def main() -> None:
         wall = time.perf_counter() - t0
     table, total = kernel_table(prof)
     print(f"== prefill {n}: step wall {wall * 1e3:.1f} ms, kernels {total:.1f} ms\n{table}\n", flush=True)
+    import cProfile
+    import io
+    import pstats
+    eng.add_request(toks(n), SamplingParams(max_tokens=1))
+    cp = cProfile.Profile()
+    torch.cuda.synchronize()
+    cp.enable()
+    eng.step()
+    torch.cuda.synchronize()
+    cp.disable()
+    buf = io.StringIO()
+    pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(25)
+    print(buf.getvalue()[-7000:], flush=True)
     res["prefill"] = {"wall_ms": wall * 1e3, "kernels_ms": total, "table": table}
 
     eng.add_request(toks(512), SamplingParams(max_tokens=args.decode_steps + 8, ignore_eos=True))

@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ctx", type=int, default=512, help="context tokens per case (the plus segments together)")
     ap.add_argument("--chunks", type=int, default=2, help="plus segments per case")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--anchor", default="none", choices=["none", "prefix"],
+                    help="plus segments encoded alone (none) or after the leading cross segment (prefix)")
     ap.add_argument("--group", type=int, default=50, help="cases run together (their pins held together)")
     ap.add_argument("--timed", type=int, default=2,
                     help="per family, the first N cases also run alone for TTFT (default 2; --quick: all)")
@@ -137,7 +139,10 @@ def run_group(llm: LLM, group: list[Case], tag: str, vs: list[Variant], args: ar
     keys = [[f"{tag}/{i}/{j}" for j in range(len(c.chunks))] for i, c in enumerate(group)]
     # Pinning encodes the segments; one pin request counts all its segments against the model's
     # context length (8192 positions) although each is encoded standalone, so pin in batches.
-    segs = [Segment(token_ids=ch, kind="plus", key=k) for c, ks in zip(group, keys) for ch, k in zip(c.chunks, ks)]
+    # (Anchored segments depend on their prefix, which a pin cannot name: the first policy run
+    # encodes them instead, so its TTFT is a cold one.)
+    segs = [] if args.anchor != "none" else [
+        Segment(token_ids=ch, kind="plus", key=k) for c, ks in zip(group, keys) for ch, k in zip(c.chunks, ks)]
     batch: list[Segment] = []
     for seg in segs + [None]:  # type: ignore[list-item]
         if batch and (seg is None or sum(len(x.token_ids) for x in batch) + len(seg.token_ids) > 4096):
@@ -149,7 +154,7 @@ def run_group(llm: LLM, group: list[Case], tag: str, vs: list[Variant], args: ar
     many = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     recs = [{"family": c.family, "layout": c.layout, "index": c.index, "answer": c.answer, "timed": c.index < args.timed,
              "prompt_tokens": c.prompt_tokens, "context_tokens": c.context_tokens, "policies": {}} for c in group]
-    layouts = [c.segments() for c in group]
+    layouts = [c.segments(args.anchor) for c in group]
 
     def record(v: Variant, c: Case, rec: dict[str, Any], m: dict[str, Any]) -> dict[str, Any]:
         rc = m.get("recompute") or {}
@@ -190,7 +195,7 @@ def run_group(llm: LLM, group: list[Case], tag: str, vs: list[Variant], args: ar
         ref = rec["policies"]["full"]["token_ids"]
         for p in rec["policies"].values():
             p["agreement"] = agreement(p["token_ids"], ref, args.max_tokens)
-    for ks in keys:
+    for ks in keys if segs else []:
         llm.unpin(ks)
     records.extend(recs)
 

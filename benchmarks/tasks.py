@@ -65,8 +65,8 @@ class Case:
     kind: str  # "number" | "word"
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def segments(self) -> list[Segment]:
-        return ([Segment(token_ids=self.prefix)] + [Segment(token_ids=c, kind="plus") for c in self.chunks]
+    def segments(self, anchor: str = "none") -> list[Segment]:
+        return ([Segment(token_ids=self.prefix)] + [Segment(token_ids=c, kind="plus", anchor=anchor) for c in self.chunks]
                 + [Segment(token_ids=self.suffix)])
 
     @property

@@ -236,8 +236,11 @@ class PoolMachine(RuleBasedStateMachine):
         if b.key is not None:
             return
         key, self.next_key = self.next_key, self.next_key + 1
-        assert self.pool.register(b, key, [key, 7]) is b
+        parent = data.draw(st.one_of(st.none(), st.integers(0, 2)))  # some are partial blocks
+        assert self.pool.register(b, key, [key, 7], parent=parent) is b
         assert self.pool.lookup(key, (key, 7)) is b
+        if parent is not None:
+            assert b in self.pool.partials(parent)
 
     @precondition(lambda self: any(b.ref_cnt == 0 for b in self.pool._index.values()))
     @rule(data=st.data())
@@ -262,6 +265,11 @@ class PoolMachine(RuleBasedStateMachine):
                 assert pool._index[b.key] is b
         for key, b in pool._index.items():
             assert b.key == key
+        # The partial-block index holds exactly the cached blocks registered with a parent.
+        indexed = {b.id for kids in pool._partials.values() for b in kids}
+        assert indexed == {b.id for b in pool.blocks if b.parent is not None}
+        for parent, kids in pool._partials.items():
+            assert kids and all(b.key is not None and b.parent == parent for b in kids)
         assert pool.num_cached == sum(b.key is not None for b in pool.blocks)
         # Plain free blocks always precede cached ones: eviction is a last resort.
         flags = [b.key is not None for b in free]

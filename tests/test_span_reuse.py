@@ -131,3 +131,22 @@ def test_eager_repositioning_matches_deferred(loaded):
         assert llm.engine.pool.num_free == 256
     assert outs["eager"][0] == outs["deferred"][0]
     torch.testing.assert_close(outs["eager"][1], outs["deferred"][1], rtol=0, atol=1e-4)
+
+
+def test_partial_tail_blocks_are_reused(loaded):
+    """A finished conversation ends inside a block; the next turn copies that cached partial
+    block instead of recomputing it, and a repeated prompt computes only its last token."""
+    bs = 8
+    llm = LLM(loaded, block_size=bs, num_blocks=256)
+    first = _toks(19, 7)  # with 4 generated tokens (the last never computed): 22 have KV
+    out = llm.generate(first, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    again = llm.generate(first, GREEDY)[0]
+    assert again.metrics["reuse"]["computed"] == 1  # the prompt's tail block was snapshotted
+    turn2 = first + out.token_ids + _toks(6, 8)
+    warm = llm.generate(turn2, GREEDY)[0]
+    r = warm.metrics["reuse"]
+    # 22 tokens have KV: 16 in two full blocks, 6 in a partial third block that is copied
+    assert r["prefix"] == len(first) + len(out.token_ids) - 1 == 22
+    assert r["computed"] == len(turn2) - r["prefix"]
+    cold = LLM(loaded, block_size=bs, num_blocks=256).generate(turn2, GREEDY)[0]
+    assert warm.token_ids == cold.token_ids

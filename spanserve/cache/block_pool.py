@@ -22,6 +22,7 @@ class Block:
     # Tokens the key was computed over: compared on every hit, so a hash collision
     # can never return wrong KV.
     tokens: tuple[int, ...] = ()
+    parent: int | None = None  # set for a registered partial block: the key it extends
     # Intrusive free-list links; kept out of repr since they would recurse.
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
@@ -34,6 +35,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._index: dict[int, Block] = {}
+        # parent key -> the cached partial blocks that extend it (a unit that ended inside a
+        # block left a prefix of it behind): probing a missed block is one dict lookup.
+        self._partials: dict[int, set[Block]] = {}
         # Sentinels remove every empty-list / end-of-list special case from link code.
         self._head = Block(-1)
         self._tail = Block(-1)
@@ -78,6 +82,12 @@ class BlockPool:
     def _drop_from_index(self, block: Block) -> None:
         assert block.key is not None and self._index.get(block.key) is block
         del self._index[block.key]
+        if block.parent is not None:
+            kids = self._partials[block.parent]
+            kids.discard(block)
+            if not kids:
+                del self._partials[block.parent]
+            block.parent = None
         block.key = None
         block.tokens = ()
 
@@ -107,6 +117,11 @@ class BlockPool:
             return None
         return block
 
+    def partials(self, parent: int) -> tuple[Block, ...]:
+        """Cached partial blocks registered as extending the chain at `parent`."""
+        kids = self._partials.get(parent)
+        return tuple(kids) if kids else ()
+
     def lookup_chain(self, keys: Sequence[int], tokens: Sequence[int], block_size: int) -> list[Block | None]:
         """lookup() of consecutive full blocks of `tokens` under their chain keys, in one pass."""
         toks = tuple(tokens)
@@ -132,8 +147,9 @@ class BlockPool:
             # Cached blocks queue at the tail (LRU); uncached ones are reused first.
             self._link_before(block, self._tail if block.key is not None else self._head.next)  # type: ignore[arg-type]
 
-    def register(self, block: Block, key: int, tokens: Sequence[int]) -> Block:
+    def register(self, block: Block, key: int, tokens: Sequence[int], parent: int | None = None) -> Block:
         """Publish `block` under `key`; returns the block that holds the key afterwards.
+        `parent`: for a partial block, the key of the chain it extends (see `partials`).
 
         If another block already holds the key the index is left alone (first writer
         wins) and that block is returned; on a true hash collision its tokens differ,
@@ -147,6 +163,9 @@ class BlockPool:
         block.key = key
         block.tokens = tuple(int(t) for t in tokens)
         self._index[key] = block
+        if parent is not None:
+            block.parent = parent
+            self._partials.setdefault(parent, set()).add(block)
         if block.ref_cnt == 0:
             # Keep the "uncached before cached" order: it becomes most recently freed.
             self._unlink(block)

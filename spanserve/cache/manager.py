@@ -73,11 +73,12 @@ class CacheManager:
     def _probe_partial(self, parent: int, toks: list[int], longest: int) -> tuple[Block | None, int]:
         """The cached block holding the longest prefix (<= longest tokens) of `toks`: a unit that
         ended inside this block (an earlier turn, a finished generation) left it behind."""
-        for j in range(min(longest, len(toks)), 0, -1):
-            b = self.pool.lookup(hashing.block_key(parent, toks[:j]), toks[:j])
-            if b is not None:
-                return b, j
-        return None, 0
+        best, got = None, 0
+        for b in self.pool.partials(parent):
+            n = len(b.tokens)
+            if got < n <= longest and b.tokens == tuple(toks[:n]):
+                best, got = b, n
+        return best, got
 
     def _plan_unit(self, seed: int, tokens: list[int], keys: list[int], extended: bool) -> list[_Slot]:
         """Never stops at the first miss: a chained key after a gap still hits (perforated).
@@ -297,8 +298,11 @@ class CacheManager:
                     keep.append(i)
                     continue
                 toks = u.tokens[i * bs:i * bs + n]
-                key = u.keys[i] if n == bs else hashing.block_key(u.keys[i - 1] if i else u.seed, toks)
-                self.pool.register(u.blocks[i], key, toks)
+                parent = u.keys[i - 1] if i else u.seed
+                if n == bs:
+                    self.pool.register(u.blocks[i], u.keys[i], toks)
+                else:
+                    self.pool.register(u.blocks[i], hashing.block_key(parent, toks), toks, parent=parent)
             u.fresh = keep
 
     def snapshot_prompt_tail(self, req: Request) -> None:
@@ -319,7 +323,7 @@ class CacheManager:
             return
         b = self.pool.allocate()
         self.storage.copy(u.blocks[i].id, b.id, n)
-        self.pool.register(b, key, toks)
+        self.pool.register(b, key, toks, parent=u.keys[i - 1] if i else u.seed)
         self.pool.release(b)
 
     def release(self, req: Request) -> None:
