@@ -239,4 +239,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if "--gpu" in sys.argv:  # the H100 variant (random Llama-3-8B bf16) lives in its own script
+        import nested_gen_gpu
+
+        sys.argv = [a for a in sys.argv if a != "--gpu"]
+        nested_gen_gpu.main()
+        raise SystemExit
     main()

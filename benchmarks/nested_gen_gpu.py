@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None, help="file under benchmarks/results/ (default nested_gen_gpu.json)")
     args = ap.parse_args()
     dev = args.device
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -72,7 +73,7 @@ def main() -> None:
                         "speedup": k / s, "judge_reuse": judge.metrics["reuse"], "stock_reuse": stock.metrics["reuse"]})
         print(rows[-1], flush=True)
     print(format_table(["fan-out", "judge prompt", "segment hits", "stock ms", "span ms", "speedup"], rows))
-    write_json("nested_gen_gpu.json" if dev == "cuda" else "nested_gen_gpu_dry.json",
+    write_json(args.out or ("nested_gen_gpu.json" if dev == "cuda" else "nested_gen_gpu_dry.json"),
                {"args": vars(args), "results": results})
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from spanserve.cache.block_pool import Block
-from spanserve.cache.table import Entry, slot_array
+from spanserve.cache.table import Entry, delta_array, slot_array
 from spanserve.engine.layout import Piece
 from spanserve.engine.sampling import SamplingParams, TokenLogprobs
 
@@ -38,6 +38,7 @@ class Task:
     anchor_end: int | None = None  # plus-segment mask form; None = causal
     seg_start: int | None = None
     _slots: Any = field(default=None, repr=False)
+    _deltas: Any = field(default=False, repr=False)  # False: not computed yet (None is a value)
 
     @property
     def slots(self) -> Any:
@@ -46,9 +47,17 @@ class Task:
             self._slots = slot_array(self.entries, self.block_size)
         return self._slots
 
+    @property
+    def deltas(self) -> Any:
+        """numpy int64 array: every key's delta, or None when all are zero."""
+        if self._deltas is False:
+            self._deltas = delta_array(self.entries)
+        return self._deltas
+
     def set_entries(self, entries: list[Entry]) -> None:
         self.entries = entries
         self._slots = None
+        self._deltas = False
 
 
 @dataclass

@@ -7,7 +7,6 @@ import torch
 from spanserve.attention.backend import AttentionBackend
 from spanserve.attention.plan import AttentionPlan, HostRow, Row
 from spanserve.cache.storage import KVStorage
-from spanserve.cache.table import delta_array
 from spanserve.engine.cuda_graphs import DecodeGraphs
 from spanserve.engine.scheduler import Chunk
 from spanserve.model.llama import LlamaModel
@@ -25,7 +24,7 @@ def build_plan(chunks: list[Chunk], block_size: int, device: torch.device) -> tu
         pos = np.asarray(c.positions, dtype=np.int64)
         slots = t.slots
         n_keys = int(pos[-1]) + 1
-        deltas = delta_array(t.entries)
+        deltas = t.deltas
         nq = len(pos)
         ids.append(np.asarray(t.tokens, dtype=np.int64)[pos] if nq > 64 else [t.tokens[p] for p in c.positions])
         positions.append(pos)

@@ -176,8 +176,21 @@ def _tiles(r: _RowHost, bn: int, split: bool) -> tuple[np.ndarray, np.ndarray, n
     return start, np.minimum(start + bn, s_end[span]), s_delta[span]
 
 
+_EMPTY: dict[torch.device, Launch] = {}
+
+
+def _empty(dev: torch.device) -> Launch:
+    """The launch with no programs (every step of pure decodes has no prefill launch)."""
+    if dev not in _EMPTY:
+        z = torch.zeros(0, dtype=torch.int32, device=dev)
+        _EMPTY[dev] = Launch(z.view(0, NUM_FIELDS), z, z, z, False, None)
+    return _EMPTY[dev]
+
+
 def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate: bool) -> Launch:
     dev = lay.key_slots.device
+    if not rows:
+        return _empty(dev)
     out: list[np.ndarray] = []
     tiles: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     rot_keys: list[np.ndarray] = []
