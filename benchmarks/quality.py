@@ -139,8 +139,8 @@ def run_group(llm: LLM, group: list[Case], tag: str, vs: list[Variant], args: ar
     keys = [[f"{tag}/{i}/{j}" for j in range(len(c.chunks))] for i, c in enumerate(group)]
     # Pinning encodes the segments; one pin request counts all its segments against the model's
     # context length (8192 positions) although each is encoded standalone, so pin in batches.
-    # (Anchored segments depend on their prefix, which a pin cannot name: the first policy run
-    # encodes them instead, so its TTFT is a cold one.)
+    # (Anchored segments depend on their prefix, which a pin cannot name: they are encoded below
+    # by a request with the same prefix and a one-token stand-in question.)
     segs = [] if args.anchor != "none" else [
         Segment(token_ids=ch, kind="plus", key=k) for c, ks in zip(group, keys) for ch, k in zip(c.chunks, ks)]
     batch: list[Segment] = []
@@ -152,6 +152,8 @@ def run_group(llm: LLM, group: list[Case], tag: str, vs: list[Variant], args: ar
             batch.append(seg)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     many = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    if not segs:  # anchored: encode the segments (under their prefix) with a stand-in question
+        llm.generate([c.segments(args.anchor)[:-1] + [Segment(token_ids=c.suffix[:1])] for c in group], one)
     recs = [{"family": c.family, "layout": c.layout, "index": c.index, "answer": c.answer, "timed": c.index < args.timed,
              "prompt_tokens": c.prompt_tokens, "context_tokens": c.context_tokens, "policies": {}} for c in group]
     layouts = [c.segments(args.anchor) for c in group]
