@@ -179,7 +179,7 @@ def _tiles(r: _RowHost, bn: int, split: bool) -> tuple[np.ndarray, np.ndarray, n
 _EMPTY: dict[torch.device, Launch] = {}
 
 
-def _empty(dev: torch.device) -> Launch:
+def empty_launch(dev: torch.device) -> Launch:
     """The launch with no programs (every step of pure decodes has no prefill launch)."""
     if dev not in _EMPTY:
         z = torch.zeros(0, dtype=torch.int32, device=dev)
@@ -190,7 +190,7 @@ def _empty(dev: torch.device) -> Launch:
 def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate: bool) -> Launch:
     dev = lay.key_slots.device
     if not rows:
-        return _empty(dev)
+        return empty_launch(dev)
     out: list[np.ndarray] = []
     tiles: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     rot_keys: list[np.ndarray] = []

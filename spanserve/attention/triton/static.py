@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from spanserve.attention.triton.layout import NUM_FIELDS, Launch, StepLayout
+from spanserve.attention.triton.layout import NUM_FIELDS, Launch, StepLayout, empty_launch
 
 
 class StaticDecode:
@@ -24,7 +24,6 @@ class StaticDecode:
         self.q_pos = torch.zeros(batch, **i32)
         self.zeros = torch.zeros(batch, **i32)  # anchor / seg: decode rows are causal
         self.desc = torch.zeros(batch, NUM_FIELDS, **i32)
-        self.empty = Launch(torch.zeros(0, NUM_FIELDS, **i32), *(torch.zeros(0, **i32) for _ in range(3)), False, None)
         self._grow(capacity)
 
     def _grow(self, need: int) -> None:
@@ -63,5 +62,5 @@ class StaticDecode:
         fixed = Launch(self.desc, self.tiles[0], self.tiles[1], self.tiles[2], small.fused_delta, None)
         static = StepLayout(write_slots=self.write_slots, key_slots=self.key_slots, q_pos=self.q_pos,
                             anchor=self.zeros, seg=self.zeros, inv_freq=self.inv_freq, has_delta=small.fused_delta,
-                            has_plus=False, rows=[], fixed=(fixed, self.empty))
+                            has_plus=False, rows=[], fixed=(fixed, empty_launch(self.device)))
         return static, self.capacity != old
