@@ -11,6 +11,7 @@ import math  # noqa: E402
 import random  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -50,8 +51,8 @@ def _entries(rng: random.Random, n_keys: int, free: list[int]) -> list[Entry]:
     return out
 
 
-def _case(rng: random.Random, n_rows: int, plus: bool) -> Case:
-    num_blocks = 400
+def _case(rng: random.Random, n_rows: int, plus: bool, max_keys: int = 120) -> Case:
+    num_blocks = 400 * -(-max_keys // 120)
     # Block 0 stays finite and unused: the reference pads its key lists with slot 0.
     free = list(range(1, num_blocks))
     rng.shuffle(free)
@@ -60,7 +61,7 @@ def _case(rng: random.Random, n_rows: int, plus: bool) -> Case:
     writes: list[int] = []
     used: set[int] = set(range(BS))
     for _ in range(n_rows):
-        n_keys = rng.randint(1, 120)
+        n_keys = rng.randint(1, max_keys)
         entries = _entries(rng, n_keys, free)
         slots = key_slots(entries, BS)
         deltas = key_deltas(entries)
@@ -122,6 +123,13 @@ def _run(case: Case, H: int, KVH: int, dtype: torch.dtype, backend: TritonBacken
 BACKENDS = {
     "prerotate": lambda: TritonBackend(SMALL, SMALL),
     "fused": lambda: TritonBackend(LaunchConfig(64, 16, 4, 1), SMALL, prerotate_prefill=False),
+    # Every prefill key copied to a scratch read without slots (rotated where its delta is not 0).
+    "dense": lambda: TritonBackend(SMALL, SMALL, prerotate_prefill="dense"),
+    # Prefill programs cut along keys into shares merged by the combine pass.
+    "split": lambda: TritonBackend(SMALL, SMALL, split_programs=1000),
+    "split-fused": lambda: TritonBackend(LaunchConfig(64, 16, 4, 1), SMALL, prerotate_prefill=False,
+                                         split_programs=1000),
+    "split-dense": lambda: TritonBackend(SMALL, SMALL, prerotate_prefill="dense", split_programs=1000),
 }
 
 
@@ -132,6 +140,43 @@ def test_random_layouts_match_reference(mode: str, G: int, seed: int) -> None:
     rng = random.Random(1000 * G + seed)
     case = _case(rng, n_rows=rng.randint(1, 6), plus=seed % 2 == 1)
     _run(case, H=2 * G, KVH=2, dtype=torch.float32, backend=BACKENDS[mode](), seed=seed)
+
+
+@pytest.mark.parametrize("mode", ["split", "split-fused", "split-dense"])
+@pytest.mark.parametrize("seed", range(3))
+def test_split_launches_on_long_rows(mode: str, seed: int) -> None:
+    # Rows of up to 600 keys: many shares per query block, some covering only anchor tiles or only
+    # the causal part, so every combine sees shares of unequal weight.
+    rng = random.Random(77 + seed)
+    case = _case(rng, n_rows=rng.randint(1, 4), plus=seed != 0, max_keys=600)
+    backend = BACKENDS[mode]()
+    lay = backend.prepare(case.plan, Rotary(D, 10000.0, None, torch.device("cpu")), BS)
+    _, big = backend.launches(lay, 2, 2)
+    if big.desc.shape[0]:
+        assert big.split > 1
+    _run(case, H=4, KVH=2, dtype=torch.float32, backend=backend, seed=seed)
+
+
+def test_split_shares_partition_tiles() -> None:
+    # Each query block's shares cover its tiles exactly once, in order, and no share is empty of
+    # both parts unless the block itself has fewer tiles than shares.
+    from spanserve.attention.triton.layout import F_PART0, F_SPLIT, _split
+    rng = np.random.default_rng(0)
+    desc = np.zeros((50, 16), dtype=np.int64)
+    lo0 = rng.integers(0, 100, 50)
+    lo1 = lo0 + rng.integers(0, 30, 50)
+    desc[:, F_PART0 + 2], desc[:, F_PART0 + 3] = lo0, lo0 + rng.integers(0, 30, 50)
+    desc[:, F_PART0 + 3] = np.minimum(desc[:, F_PART0 + 3], lo1)
+    desc[:, F_PART0 + 6], desc[:, F_PART0 + 7] = lo1, lo1 + rng.integers(0, 40, 50)
+    for ways in (1, 2, 7):
+        out = _split(desc, ways).reshape(50, ways, 16)
+        for d, shares in zip(desc, out):
+            want = list(range(d[F_PART0 + 2], d[F_PART0 + 3])) + list(range(d[F_PART0 + 6], d[F_PART0 + 7]))
+            got = [j for s in shares for p in (0, 4) for j in range(s[F_PART0 + 2 + p], s[F_PART0 + 3 + p])]
+            assert got == want
+            assert shares[:, F_SPLIT].tolist() == list(range(ways))
+            sizes = [(s[F_PART0 + 3] - s[F_PART0 + 2]) + (s[F_PART0 + 7] - s[F_PART0 + 6]) for s in shares]
+            assert max(sizes) - min(sizes) <= 1
 
 
 def test_default_tiles_and_fp16() -> None:

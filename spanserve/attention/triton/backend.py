@@ -11,8 +11,9 @@ import triton
 
 from spanserve.attention.backend import AttentionBackend
 from spanserve.attention.plan import AttentionPlan
-from spanserve.attention.triton.kernels import attention_kernel, kv_write_kernel, reposition_kernel, rotate_keys_kernel
-from spanserve.attention.triton.layout import NUM_FIELDS, Launch, Prerotation, StepLayout, build_layout
+from spanserve.attention.triton.kernels import (attention_kernel, combine_kernel, kv_write_kernel, reposition_kernel,
+                                                rotate_keys_kernel)
+from spanserve.attention.triton.layout import NUM_FIELDS, Launch, Prerotation, SplitPolicy, StepLayout, build_layout
 from spanserve.attention.triton.static import StaticDecode
 from spanserve.model.layers import Rotary
 
@@ -43,22 +44,33 @@ def _pow2_at_least(x: int, lo: int) -> int:
 
 class TritonBackend(AttentionBackend):
     def __init__(self, prefill: LaunchConfig = PREFILL, decode: LaunchConfig = DECODE,
-                 prerotate_prefill: bool = True):
+                 prerotate_prefill: "bool | str" = True, split_programs: int | None = None):
         """`prerotate_prefill`: rotate the prefill launch's delta keys into scratch once per layer
-        (one extra pass over those keys) instead of rotating Q per span inside the kernel."""
+        (one extra pass over those keys) instead of rotating Q per span inside the kernel;
+        "dense": copy all of its keys, rotated or not, so the kernel reads K without slots.
+        `split_programs`: split the prefill launch along keys until it has about this many
+        programs (all KV heads together); None = two per SM on CUDA, 0 = never split."""
         self.prefill_cfg = prefill
         self.decode_cfg = decode
         self.prerotate_prefill = prerotate_prefill
+        self.split_programs = split_programs
 
     def prepare(self, plan: AttentionPlan, rotary: Rotary, block_size: int) -> StepLayout:
         return build_layout(plan, rotary.inv_freq)
 
-    def launches(self, prepared: StepLayout, G: int) -> tuple[Launch, Launch]:
+    def launches(self, prepared: StepLayout, G: int, kvh: int = 1) -> tuple[Launch, Launch]:
         """(decode launch, prefill launch) of a step for G query heads per KV head."""
         dec_m = _pow2_at_least(G, self.decode_cfg.block_m)
         pre_m = _pow2_at_least(G, self.prefill_cfg.block_m)
         return prepared.launches(dec_m // G, self.decode_cfg.block_n, pre_m // G,
-                                 self.prefill_cfg.block_n, self.prerotate_prefill)
+                                 self.prefill_cfg.block_n, self.prerotate_prefill,
+                                 self._split_policy(prepared.key_slots.device, kvh))
+
+    def _split_policy(self, dev: torch.device, kvh: int) -> SplitPolicy | None:
+        target = self.split_programs
+        if target is None:
+            target = 2 * _sm_count(dev) if dev.type == "cuda" else 0
+        return SplitPolicy(-(-target // kvh)) if target else None
 
     static_eligible = staticmethod(StaticDecode.eligible)
 
@@ -81,16 +93,29 @@ class TritonBackend(AttentionBackend):
         out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
         dec_m = _pow2_at_least(G, self.decode_cfg.block_m)
         pre_m = _pow2_at_least(G, self.prefill_cfg.block_m)
-        small, big = self.launches(prepared, G)
+        small, big = self.launches(prepared, G, KVH)
         for launch, cfg, bm in ((big, self.prefill_cfg, pre_m), (small, self.decode_cfg, dec_m)):
             if launch.desc.shape[0]:
                 # Held until the launch is queued: the kernel reads K rows from it.
                 scratch = None
+                k_src = k_cache
                 if launch.prerotation is not None:
                     scratch = rotate_keys(k_cache, launch.prerotation, prepared.inv_freq)
-                _launch_attention(prepared, launch, cfg, bm, q, k_cache, v_cache, out, G)
+                    if launch.prerotation.dense:
+                        k_src = scratch
+                _launch_attention(prepared, launch, cfg, bm, q, k_src, v_cache, out, G)
                 del scratch
         return out
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(dev: torch.device) -> int:
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
 
 
 def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_m: int,
@@ -100,47 +125,65 @@ def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_
     KVH = k_cache.shape[2]
     if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("q needs a unit last stride and the caches must be contiguous")
+    # k_cache is the layer's K cache, or a dense prerotation's scratch (same row layout)
     k_flat = k_cache.view(-1, KVH, D)
     v_flat = v_cache.view(-1, KVH, D)
     # The softmax runs in base 2: fold log2(e) into the score scale.
     qk_scale = (1.0 / math.sqrt(D)) * 1.4426950408889634
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     pre = launch.prerotation
+    n_loc = 0 if launch.tokens is None else launch.tokens.numel()
+    part_o = part_lse = out
+    if launch.split > 1:
+        part_o = torch.empty(launch.split, n_loc, H, D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(launch.split, n_loc, H, dtype=torch.float32, device=q.device)
     attention_kernel[(launch.desc.shape[0], KVH)](
         q, k_flat, v_flat, out,
-        launch.desc, lay.key_slots, lay.key_slots if pre is None else pre.k_slots,
+        launch.desc, lay.key_slots, lay.key_slots if pre is None or pre.dense else pre.k_slots,
         lay.q_pos, lay.anchor, lay.seg,
-        launch.tile_start, launch.tile_end, launch.tile_delta, lay.inv_freq,
-        q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), out.stride(0),
+        launch.tile_start, launch.tile_end, launch.tile_delta, lay.inv_freq, part_o, part_lse,
+        q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), out.stride(0), n_loc, H,
         qk_scale,
         G=G, D=D, BLOCK_M=block_m, BLOCK_N=cfg.block_n, NUM_FIELDS=NUM_FIELDS,
-        HAS_DELTA=launch.fused_delta, KEEP_Q=block_m <= _KEEP_Q_ROWS, K_SLOTS=pre is not None,
-        HAS_PLUS=lay.has_plus, PREC=prec,
+        HAS_DELTA=launch.fused_delta, KEEP_Q=block_m <= _KEEP_Q_ROWS,
+        K_SLOTS=pre is not None and not pre.dense, K_DENSE=pre is not None and pre.dense,
+        HAS_PLUS=lay.has_plus, PREC=prec, SPLIT=launch.split > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if launch.split > 1:
+        block_h = min(triton.next_power_of_2(H), 8)
+        combine_kernel[(n_loc, triton.cdiv(H, block_h))](
+            part_o, part_lse, launch.tokens, out, n_loc, H, out.stride(0), launch.split,
+            D=D, BLOCK_H=block_h, num_warps=4,
+        )
 
 
 def rotate_keys(k_cache: torch.Tensor, pre: Prerotation, inv_freq: torch.Tensor) -> torch.Tensor:
-    """[n, KVH, D] scratch holding R(delta) K of the prerotated keys of one layer; points
-    pre.k_slots at it.
+    """Scratch holding R(delta) K of the prerotated keys of one layer.
 
-    The attention kernel then reads every K row as k_cache + slot * row, scratch rows included:
+    Dense: [n, 1, KVH, D], read by position. Sparse: pre.k_slots is pointed at the scratch rows,
+    and the attention kernel reads every K row as k_cache + slot * row, scratch rows included:
     the scratch is placed a whole number of rows away from k_cache (CUDA's flat address space makes
     that offset addressable) and its rows get the slots beyond that distance."""
     KVH, D = k_cache.shape[2], k_cache.shape[3]
     n = pre.src_slots.numel()
     W = KVH * D
     esize = k_cache.element_size()
-    buf = torch.empty((n + 1) * W, dtype=k_cache.dtype, device=k_cache.device)
-    shift = (k_cache.data_ptr() - buf.data_ptr()) % (W * esize) // esize
-    out = buf[shift:shift + n * W].view(n, KVH, D)
-    slot0 = (out.data_ptr() - k_cache.data_ptr()) // (W * esize)  # may be far and negative: int64
+    if pre.dense:
+        buf = out = torch.empty(n, 1, KVH, D, dtype=k_cache.dtype, device=k_cache.device)
+        slot0 = 0
+    else:
+        buf = torch.empty((n + 1) * W, dtype=k_cache.dtype, device=k_cache.device)
+        shift = (k_cache.data_ptr() - buf.data_ptr()) % (W * esize) // esize
+        out = buf[shift:shift + n * W].view(n, KVH, D)
+        slot0 = (out.data_ptr() - k_cache.data_ptr()) // (W * esize)  # may be far and negative: int64
     block_kvh = triton.next_power_of_2(KVH)
     # 32 (key, head) rows of D per program: more holds the fp32 halves in spilled registers.
     block_k = max(1, 32 // block_kvh)
     rotate_keys_kernel[(triton.cdiv(n, block_k),)](
-        k_cache, out, pre.src_slots, pre.delta, inv_freq, pre.key_pos, pre.k_slots, n, slot0, W,
-        KVH=KVH, D=D, BLOCK_K=block_k, BLOCK_KVH=block_kvh, num_warps=4,
+        k_cache, out, pre.src_slots, pre.delta, inv_freq,
+        pre.src_slots if pre.key_pos is None else pre.key_pos, out if pre.k_slots is None else pre.k_slots, n, slot0, W,
+        KVH=KVH, D=D, BLOCK_K=block_k, BLOCK_KVH=block_kvh, SET_SLOTS=not pre.dense, num_warps=4,
     )
     return buf
 

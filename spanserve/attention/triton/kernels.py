@@ -22,18 +22,22 @@ F_PART0 = tl.constexpr(layout.F_PART0)
 F_MIN_ANCHOR = tl.constexpr(layout.F_MIN_ANCHOR)
 F_MAX_SEG = tl.constexpr(layout.F_MAX_SEG)
 F_MIN_T = tl.constexpr(layout.F_MIN_T)
+F_SPLIT = tl.constexpr(layout.F_SPLIT)
+F_LOC0 = tl.constexpr(layout.F_LOC0)
+F_DENSE_BASE = tl.constexpr(layout.F_DENSE_BASE)
 
 
 @triton.jit
 def attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     desc_ptr, key_slots_ptr, k_slots_ptr, qpos_ptr, anchor_ptr, seg_ptr,
-    tile_start_ptr, tile_end_ptr, tile_delta_ptr, inv_freq_ptr,
-    stride_qt, stride_qh, stride_cs, stride_ch, stride_ot,
+    tile_start_ptr, tile_end_ptr, tile_delta_ptr, inv_freq_ptr, part_o_ptr, part_lse_ptr,
+    stride_qt, stride_qh, stride_cs, stride_ch, stride_ot, n_loc, n_heads,
     qk_scale,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_FIELDS: tl.constexpr, HAS_DELTA: tl.constexpr, KEEP_Q: tl.constexpr,
-    K_SLOTS: tl.constexpr, HAS_PLUS: tl.constexpr, PREC: tl.constexpr,
+    K_SLOTS: tl.constexpr, K_DENSE: tl.constexpr, HAS_PLUS: tl.constexpr, PREC: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """One program: up to BLOCK_M // G query tokens of one row times the G query heads that share
     KV head `program_id(1)`, packed along M so every K/V tile is loaded once for all G heads.
@@ -41,7 +45,10 @@ def attention_kernel(
     HAS_DELTA: tiles carry their span's delta; when it changes, the queries are rotated by -delta
     (from Q and swap(Q) kept in registers if KEEP_Q, else re-read), so the loop itself only adds one
     pipelined scalar load and a compare. K_SLOTS: K is read through its own slot list (prerotated
-    keys point at scratch rows), V through the row's slots."""
+    keys point at scratch rows), V through the row's slots. K_DENSE: k_cache_ptr is a scratch
+    holding the row's keys in order from F_DENSE_BASE (no K slot list at all). SPLIT: the program covers one share of
+    its query block's tiles and writes its normalized output and log2-sum-exp to the partial
+    buffers [split, launch-local token, head], for `combine_kernel`."""
     HALF: tl.constexpr = D // 2
     BLOCK_Q: tl.constexpr = BLOCK_M // G
     desc = desc_ptr + tl.program_id(0) * NUM_FIELDS
@@ -50,6 +57,8 @@ def attention_kernel(
     tok1 = tl.load(desc + F_TOK1)
     key_base = tl.load(desc + F_KEY_BASE)
     min_t = tl.load(desc + F_MIN_T)
+    if K_DENSE:
+        dense_base = tl.load(desc + F_DENSE_BASE)
 
     rows = tl.arange(0, BLOCK_M)
     tok = tok0 + rows // G
@@ -98,7 +107,10 @@ def attention_kernel(
                 kin = kk < k1
                 slot = tl.load(key_slots_ptr + key_base + kk, mask=kin, other=0).to(tl.int64)
                 v_ptrs = v_cache_ptr + slot[:, None] * stride_cs + kv_col[None, :]
-                if K_SLOTS:
+                if K_DENSE:
+                    k_row = (dense_base + kk).to(tl.int64)
+                    k_ptrs = k_cache_ptr + k_row[:, None] * stride_cs + kv_col[None, :]
+                elif K_SLOTS:
                     # One base pointer for all of K: a select between two bases measured ~10%
                     # slower on H100 (Triton 3.6).
                     k_slot = tl.load(k_slots_ptr + key_base + kk, mask=kin, other=0).to(tl.int64)
@@ -142,8 +154,46 @@ def attention_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    o_rows = tok.to(tl.int64) * stride_ot + head * D
-    tl.store(out_ptr + o_rows[:, None] + dd[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if SPLIT:
+        loc = tl.load(desc + F_LOC0) + (tok - tok0)
+        cell = (tl.load(desc + F_SPLIT).to(tl.int64) * n_loc + loc) * n_heads + head
+        # A share with no visible key weighs nothing in the combine.
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + cell, lse, mask=row_ok)
+        tl.store(part_o_ptr + cell[:, None] * D + dd[None, :], o, mask=row_ok[:, None])
+    else:
+        o_rows = tok.to(tl.int64) * stride_ot + head * D
+        tl.store(out_ptr + o_rows[:, None] + dd[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def combine_kernel(
+    part_o_ptr, part_lse_ptr, tokens_ptr, out_ptr, n_loc, n_heads, stride_ot, n_split,
+    D: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[tokens[i], h] = sum_s w_s o_s / sum_s w_s with w_s = 2^lse_s: merges the shares of a
+    split launch for launch-local token `program_id(0)` and BLOCK_H heads."""
+    loc = tl.program_id(0)
+    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = hh < n_heads
+    dd = tl.arange(0, D)
+    m = tl.full((BLOCK_H,), -1.0e30, dtype=tl.float32)
+    den = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, D), dtype=tl.float32)
+    for s in range(n_split):
+        cell = (s * n_loc + loc).to(tl.int64) * n_heads + hh
+        lse = tl.load(part_lse_ptr + cell, mask=h_ok, other=float("-inf"))
+        o = tl.load(part_o_ptr + cell[:, None] * D + dd[None, :], mask=h_ok[:, None], other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        den = den * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o
+        m = m_new
+    tok = tl.load(tokens_ptr + loc).to(tl.int64)
+    res = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    tl.store(out_ptr + tok * stride_ot + (hh * D)[:, None] + dd[None, :], res.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None])
 
 
 @triton.jit
@@ -151,16 +201,18 @@ def rotate_keys_kernel(
     k_cache_ptr, out_ptr, slots_ptr, delta_ptr, inv_freq_ptr, key_pos_ptr, k_slots_ptr,
     n_keys, out_slot0, stride_cs,
     KVH: tl.constexpr, D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KVH: tl.constexpr,
+    SET_SLOTS: tl.constexpr,
 ):
     """out[i] = R(delta[i]) k_cache[slots[i]] for BLOCK_K keys, every head: the deferred rotation
     done once per layer for a prefill launch, and k_slots[key_pos[i]] = out_slot0 + i, the slot of
-    out[i] counted from k_cache. Angles are computed on [BLOCK_K, 1, HALF] and broadcast over the
+    out[i] counted from k_cache (only with SET_SLOTS: a dense scratch is read by position). Angles are computed on [BLOCK_K, 1, HALF] and broadcast over the
     heads, so each (key, frequency) costs one sin/cos."""
     HALF: tl.constexpr = D // 2
     kk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = kk < n_keys
-    pos = tl.load(key_pos_ptr + kk, mask=k_ok, other=0)
-    tl.store(k_slots_ptr + pos, out_slot0 + kk.to(tl.int64), mask=k_ok)
+    if SET_SLOTS:
+        pos = tl.load(key_pos_ptr + kk, mask=k_ok, other=0)
+        tl.store(k_slots_ptr + pos, out_slot0 + kk.to(tl.int64), mask=k_ok)
     slot = tl.load(slots_ptr + kk, mask=k_ok, other=0).to(tl.int64)
     ang = tl.load(delta_ptr + kk, mask=k_ok, other=0).to(tl.float32)
     hh = tl.arange(0, BLOCK_KVH)

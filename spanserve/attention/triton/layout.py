@@ -30,7 +30,9 @@ from spanserve.attention.plan import AttentionPlan
 F_TOK0, F_TOK1, F_KEY_BASE = 0, 1, 2
 F_PART0 = 3  # klo, khi, tile_lo, tile_hi of part 0 (anchor prefix); part 1 follows at +4
 F_MIN_ANCHOR, F_MAX_SEG, F_MIN_T = 11, 12, 13
-NUM_FIELDS = 16  # padded so a descriptor row is 64 bytes
+F_SPLIT, F_LOC0 = 14, 15  # split launches: which split of its query block, launch-local index of tok0
+F_DENSE_BASE = 16  # dense prerotation: the row's first key in the launch's K scratch
+NUM_FIELDS = 32  # a descriptor row is 128 bytes
 
 
 @dataclass
@@ -50,12 +52,15 @@ class _RowHost:
 @dataclass
 class Prerotation:
     """Keys of one launch to rotate into scratch each layer: scratch row i holds
-    R(delta[i]) k[src_slots[i]], and k_slots[key_pos[i]] is rewritten to point at it."""
+    R(delta[i]) k[src_slots[i]]. Sparse: only keys of nonzero spans, and k_slots[key_pos[i]] is
+    rewritten to point at row i. Dense: every key of the launch's rows in row order (zero spans
+    copied), so the kernel reads K at its row's F_DENSE_BASE + key index, with no slot list."""
 
     src_slots: torch.Tensor  # [n] int32
     delta: torch.Tensor  # [n] int32
-    key_pos: torch.Tensor  # [n] int32 index into the step's key list
-    k_slots: torch.Tensor  # [sum keys] int64: K's slot of every key; scratch rows can be far
+    key_pos: torch.Tensor | None  # [n] int32 index into the step's key list (sparse)
+    k_slots: torch.Tensor | None  # [sum keys] int64: K's slot of every key; scratch rows can be far
+    dense: bool = False
 
 
 @dataclass
@@ -66,6 +71,10 @@ class Launch:
     tile_delta: torch.Tensor  # the tile's span delta (all zero unless fused)
     fused_delta: bool  # some tile rotates: compile the rotating kernel
     prerotation: Prerotation | None
+    # split > 1: every query block's tiles are cut into `split` programs that write partial
+    # results for the launch's tokens (`tokens`, flat indices), merged by a combine pass
+    split: int = 1
+    tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -82,22 +91,42 @@ class StepLayout:
     has_plus: bool
     rows: list[_RowHost]
     fixed: tuple[Launch, Launch] | None = None  # set by a static (graph) layout: its launches
-    _launches: dict[tuple[int, int, int, int, bool], tuple[Launch, Launch]] = field(default_factory=dict)
+    _launches: dict[tuple, tuple[Launch, Launch]] = field(default_factory=dict)
 
-    def launches(self, small_q: int, small_n: int, big_q: int, big_n: int,
-                 prerotate_big: bool) -> tuple[Launch, Launch]:
+    def launches(self, small_q: int, small_n: int, big_q: int, big_n: int, prerotate_big: "bool | str",
+                 split: "SplitPolicy | None" = None) -> tuple[Launch, Launch]:
         """The two launches: rows of at most `small_q` queries (decodes) get programs of `small_q`
         tokens and tiles of `small_n` keys, fused rotation; the rest `big_q` and `big_n`, with
-        their rotation done beforehand when `prerotate_big`."""
+        their rotation done beforehand when `prerotate_big` (True: sparse, "dense": all keys),
+        split along keys per `split`."""
         if self.fixed is not None:
             return self.fixed
-        key = (small_q, small_n, big_q, big_n, prerotate_big)
+        key = (small_q, small_n, big_q, big_n, prerotate_big, split)
         if key not in self._launches:
             small = [r for r in self.rows if r.q_end - r.q_start <= small_q]
             big = [r for r in self.rows if r.q_end - r.q_start > small_q]
+            pre = prerotate_big if self.has_delta else False
             self._launches[key] = (_describe(small, small_q, small_n, self, False),
-                                   _describe(big, big_q, big_n, self, prerotate_big and self.has_delta))
+                                   _describe(big, big_q, big_n, self, pre, split))
         return self._launches[key]
+
+
+@dataclass(frozen=True)
+class SplitPolicy:
+    """When a launch has too few programs to fill the GPU (a short chunk over a long cached
+    context: a warm RAG question, a judge over its candidates), cut each query block's key tiles
+    into several programs, flash-decoding style. `programs`: the per-KV-head program count to
+    aim for; `min_tiles`: no split gets fewer tiles (the combine pass must stay cheap)."""
+
+    programs: int
+    min_tiles: int = 4
+    max_split: int = 64
+
+    def ways(self, n_programs: int, max_tiles: int) -> int:
+        if n_programs == 0 or n_programs >= self.programs:
+            return 1
+        want = -(-self.programs // n_programs)
+        return max(1, min(want, max_tiles // self.min_tiles, self.max_split))
 
 
 def _cat_host(parts: list[torch.Tensor]) -> np.ndarray:
@@ -187,7 +216,26 @@ def empty_launch(dev: torch.device) -> Launch:
     return _EMPTY[dev]
 
 
-def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate: bool) -> Launch:
+def _split(desc: np.ndarray, ways: int) -> np.ndarray:
+    """Each descriptor becomes `ways` descriptors over consecutive, near-equal shares of its
+    tiles (part 0's tiles first, then part 1's); split s of a block has F_SPLIT = s."""
+    lo0, hi0 = desc[:, F_PART0 + 2], desc[:, F_PART0 + 3]
+    lo1, hi1 = desc[:, F_PART0 + 6], desc[:, F_PART0 + 7]
+    n0 = hi0 - lo0
+    n = n0 + (hi1 - lo1)
+    out = np.repeat(desc, ways, axis=0)
+    s = np.tile(np.arange(ways), len(desc))
+    n, n0 = np.repeat(n, ways), np.repeat(n0, ways)
+    a, b = n * s // ways, n * (s + 1) // ways
+    lo0, lo1 = np.repeat(lo0, ways), np.repeat(lo1, ways)
+    out[:, F_PART0 + 2], out[:, F_PART0 + 3] = lo0 + np.minimum(a, n0), lo0 + np.minimum(b, n0)
+    out[:, F_PART0 + 6], out[:, F_PART0 + 7] = lo1 + np.maximum(a - n0, 0), lo1 + np.maximum(b - n0, 0)
+    out[:, F_SPLIT] = s
+    return out
+
+
+def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate: "bool | str",
+              split: SplitPolicy | None = None) -> Launch:
     dev = lay.key_slots.device
     if not rows:
         return empty_launch(dev)
@@ -195,11 +243,15 @@ def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate
     tiles: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     rot_keys: list[np.ndarray] = []
     rot_delta: list[np.ndarray] = []
-    n_tiles = 0
+    dense = prerotate == "dense"
+    n_tiles = n_tok = n_dense = 0
     for r in rows:
         ts, te, td = _tiles(r, bn, split=not prerotate)
         tiles.append((ts, te, td))
-        if prerotate:
+        if dense:
+            rot_keys.append(np.arange(r.key_base, r.key_base + r.n_keys))
+            rot_delta.append(np.repeat(r.span_delta, r.span_ends - r.span_starts))
+        elif prerotate:
             for s, e, d in zip(r.span_starts, r.span_ends, r.span_delta):
                 if d != 0:
                     rot_keys.append(np.arange(r.key_base + s, r.key_base + e))
@@ -229,22 +281,37 @@ def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate
             d[:, base], d[:, base + 1] = klo, khi
             d[:, base + 2], d[:, base + 3] = n_tiles + jlo, n_tiles + jhi
         d[:, F_MIN_ANCHOR], d[:, F_MAX_SEG], d[:, F_MIN_T] = min_a, max_s, min_t
+        d[:, F_LOC0] = n_tok + starts
+        d[:, F_DENSE_BASE] = n_dense
+        n_dense += r.n_keys if dense else 0
         out.append(d)
         n_tiles += len(ts)
+        n_tok += nq
 
     def dev32(parts: list[np.ndarray]) -> torch.Tensor:
         a = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return torch.from_numpy(a.astype(np.int32)).to(dev)
 
     desc = np.concatenate(out) if out else np.zeros((0, NUM_FIELDS), dtype=np.int64)
+    ways = 1
+    if split is not None:
+        n_t = (desc[:, F_PART0 + 3] - desc[:, F_PART0 + 2]) + (desc[:, F_PART0 + 7] - desc[:, F_PART0 + 6])
+        ways = split.ways(len(desc), int(n_t.max()))
+    tokens = None
+    if ways > 1:
+        desc = _split(desc, ways)
+        tokens = dev32([np.arange(r.q_start, r.q_end) for r in rows])
     # Longest programs first, so the causal tail does not run alone at the end of the launch.
-    work = (desc[:, F_PART0 + 1] - desc[:, F_PART0]) + (desc[:, F_PART0 + 5] - desc[:, F_PART0 + 4])
+    work = (desc[:, F_PART0 + 3] - desc[:, F_PART0 + 2]) + (desc[:, F_PART0 + 7] - desc[:, F_PART0 + 6])
     desc = desc[np.argsort(-work, kind="stable")]
     tile_delta = dev32([t[2] for t in tiles])
     pre = None
     if rot_keys:
         keys = torch.from_numpy(np.concatenate(rot_keys)).to(dev)
-        pre = Prerotation(lay.key_slots[keys].contiguous(), dev32(rot_delta), keys.to(torch.int32),
-                          lay.key_slots.long())
+        if dense:
+            pre = Prerotation(lay.key_slots[keys].contiguous(), dev32(rot_delta), None, None, True)
+        else:
+            pre = Prerotation(lay.key_slots[keys].contiguous(), dev32(rot_delta), keys.to(torch.int32),
+                              lay.key_slots.long())
     return Launch(dev32([desc]).view(-1, NUM_FIELDS), dev32([t[0] for t in tiles]), dev32([t[1] for t in tiles]),
-                  tile_delta, bool(any((t[2] != 0).any() for t in tiles)), pre)
+                  tile_delta, bool(any((t[2] != 0).any() for t in tiles)), pre, ways, tokens)
