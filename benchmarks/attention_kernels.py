@@ -106,7 +106,7 @@ def caches(num_blocks: int, dtype: torch.dtype, layers: int | None = None) -> tu
     return torch.randn(shape, device=DEV, dtype=dtype), torch.randn(shape, device=DEV, dtype=dtype)
 
 
-def check_attention(seed: int, dtype: torch.dtype, prerotate: "bool | str" = True, split: int | None = None) -> None:
+def check_attention(seed: int, dtype: torch.dtype, prerotate: bool = True, split: int | None = None) -> None:
     """A mixed step (prefill chunks, a plus-form unit, decodes) against the float32 reference."""
     rng = random.Random(seed)
     pool = list(range(1, NB_CHECK))
@@ -148,7 +148,7 @@ def check_attention(seed: int, dtype: torch.dtype, prerotate: "bool | str" = Tru
     written = torch.equal(tk.view(-1, KVH, D)[used], bk.view(-1, KVH, D)[used])
     # Bitwise-equal reruns: an error that moves between runs would be a race.
     ok = bool(torch.isfinite(got).all()) and err < 1e-2 and torch.equal(got, again) and written
-    mode = {True: "", False: " fused prefill", "dense": " dense prerotation"}[prerotate]
+    mode = "" if prerotate else " fused prefill"
     name = f"attention {str(dtype).split('.')[-1]} seed {seed}{mode}{'' if split is None else f' split to {split}'}"
     RESULTS["checks"][name] = {"rel_err": err, "reference_same_dtype_rel_err": ref_err, "ok": ok,
                                "tokens": T, "rows": len(rows), "spans": sum(len(r.span_starts) for r in lay.rows)}
@@ -192,8 +192,8 @@ def ceilings() -> None:
 # Timed modes: name -> (entries mode, segment lengths, prerotate prefill, force the rotating kernel).
 # "seg" are 300..700-key segments each with its own nonzero delta; "seg4k" 3000..5000 keys;
 # "block" gives every 16-key entry its own delta (worst case); "delta-kernel zero" runs the
-# rotating kernel on all-zero deltas, so it measures the kernel's structure alone; "dense" copies
-# every key of the launch (rotated or not) to a scratch that the kernel reads without slots.
+# rotating kernel on all-zero deltas, so it measures the kernel's structure alone; "zero copied"
+# forces the prerotation copy on all-zero deltas.
 MODES: dict[str, tuple[str, tuple[int, int], bool, bool]] = {
     "zero": ("zero", (300, 700), True, False),
     "seg": ("seg", (300, 700), True, False),
@@ -201,8 +201,7 @@ MODES: dict[str, tuple[str, tuple[int, int], bool, bool]] = {
     "block": ("block", (300, 700), True, False),
     "seg fused": ("seg", (300, 700), False, False),
     "delta-kernel zero": ("zero", (300, 700), False, True),
-    "seg dense": ("seg", (300, 700), "dense", False),
-    "zero dense": ("zero", (300, 700), "dense", False),  # the dense copy forced on zero deltas
+    "zero copied": ("zero", (300, 700), True, False),
 }
 
 
@@ -220,7 +219,7 @@ def time_rows(label: str, rows_by_mode: dict[str, list[Row]], cfgs: list[LaunchC
             pre = MODES[m][2]
             tb = TritonBackend(decode=cfg, prerotate_prefill=pre) if decode else TritonBackend(prefill=cfg, prerotate_prefill=pre)
             lay = tb.prepare(plan_for(rs), ROT, BS)
-            if m == "zero dense":
+            if m == "zero copied":
                 lay.has_delta = True  # take the prerotation path although every delta is 0
             tb.attend(lay, q, kc, vc)  # builds the launches
             if MODES[m][3]:
@@ -262,7 +261,7 @@ def mode_rows(modes: tuple[str, ...], lens: list[int], nq: int, seed: int) -> di
 
 
 def time_prefill() -> None:
-    modes = ("zero", "seg", "seg4k", "block", "seg dense", "zero dense", "seg fused", "delta-kernel zero")
+    modes = ("zero", "seg", "seg4k", "block", "zero copied", "seg fused", "delta-kernel zero")
     for nq, label in ((N_LONG, f"prefill {N_LONG // 1024}k row"), (N_CHUNK, f"chunk {N_CHUNK} over {N_LONG // 1024}k")):
         rows = mode_rows(modes, [N_LONG], nq, 11)
         time_rows(label, rows, PREFILL_CFGS, False, causal_flops(nq, N_LONG), 2.0 * N_LONG * KVH * D * 2)
@@ -295,7 +294,7 @@ def time_split() -> None:
         label = f"{nq} queries over {n_seg}x{seg}"
         entry = {}
         for split in (None, 0):
-            for pre in (True, "dense", False):
+            for pre in (True, False):
                 for name, r in (("zero", zrow), ("seg", row)):
                     if name == "zero" and pre is not True:
                         continue
@@ -303,7 +302,7 @@ def time_split() -> None:
                     lay = tb.prepare(plan_for([r]), ROT, BS)
                     ms = bench(lambda tb=tb, lay=lay: tb.attend(lay, q, kc, vc))
                     _, big = tb.launches(lay, H // KVH, KVH)
-                    how = {True: "prerotate", "dense": "dense", False: "fused"}[pre]
+                    how = "prerotate" if pre else "fused"
                     key = f"{'split' if split is None else 'no split'}, {how}, {name} deltas"
                     entry[key] = {"ms": ms, "programs": int(big.desc.shape[0]), "ways": big.split}
                     TABLE.append((f"{label}: {key}", f"{ms * 1e3:.1f} us, {big.desc.shape[0]}x{KVH} programs", ""))
@@ -396,9 +395,8 @@ def main() -> None:
     for seed, dt in enumerate(dtypes):
         check_attention(seed, dt)
     check_attention(len(dtypes), dtypes[0], prerotate=False)
-    check_attention(len(dtypes) + 1, dtypes[0], prerotate="dense")
-    check_attention(len(dtypes) + 2, dtypes[0], split=2048)
-    check_attention(len(dtypes) + 3, dtypes[0], prerotate="dense", split=2048)
+    check_attention(len(dtypes) + 1, dtypes[0], split=2048)
+    check_attention(len(dtypes) + 2, dtypes[0], prerotate=False, split=2048)
     check_reposition()
     print(f"checks done in {time.time() - t0:.0f}s", flush=True)
     steps = (ceilings, time_split, time_prefill, time_decode, time_sdpa, time_write_and_reposition)

@@ -123,13 +123,10 @@ def _run(case: Case, H: int, KVH: int, dtype: torch.dtype, backend: TritonBacken
 BACKENDS = {
     "prerotate": lambda: TritonBackend(SMALL, SMALL),
     "fused": lambda: TritonBackend(LaunchConfig(64, 16, 4, 1), SMALL, prerotate_prefill=False),
-    # Every prefill key copied to a scratch read without slots (rotated where its delta is not 0).
-    "dense": lambda: TritonBackend(SMALL, SMALL, prerotate_prefill="dense"),
     # Prefill programs cut along keys into shares merged by the combine pass.
     "split": lambda: TritonBackend(SMALL, SMALL, split_programs=1000),
     "split-fused": lambda: TritonBackend(LaunchConfig(64, 16, 4, 1), SMALL, prerotate_prefill=False,
                                          split_programs=1000),
-    "split-dense": lambda: TritonBackend(SMALL, SMALL, prerotate_prefill="dense", split_programs=1000),
 }
 
 
@@ -142,7 +139,7 @@ def test_random_layouts_match_reference(mode: str, G: int, seed: int) -> None:
     _run(case, H=2 * G, KVH=2, dtype=torch.float32, backend=BACKENDS[mode](), seed=seed)
 
 
-@pytest.mark.parametrize("mode", ["split", "split-fused", "split-dense"])
+@pytest.mark.parametrize("mode", ["split", "split-fused"])
 @pytest.mark.parametrize("seed", range(3))
 def test_split_launches_on_long_rows(mode: str, seed: int) -> None:
     # Rows of up to 600 keys: many shares per query block, some covering only anchor tiles or only

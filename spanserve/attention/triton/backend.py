@@ -44,10 +44,10 @@ def _pow2_at_least(x: int, lo: int) -> int:
 
 class TritonBackend(AttentionBackend):
     def __init__(self, prefill: LaunchConfig = PREFILL, decode: LaunchConfig = DECODE,
-                 prerotate_prefill: "bool | str" = True, split_programs: int | None = None):
-        """`prerotate_prefill`: rotate the prefill launch's delta keys into scratch once per layer
-        (one extra pass over those keys) instead of rotating Q per span inside the kernel;
-        "dense": copy all of its keys, rotated or not, so the kernel reads K without slots.
+                 prerotate_prefill: bool = True, split_programs: int | None = None):
+        """`prerotate_prefill`: when some span of the prefill launch rotates, copy its keys
+        (rotated) into a contiguous scratch once per layer, instead of rotating Q per span inside
+        the kernel.
         `split_programs`: split the prefill launch along keys until it has about this many
         programs (all KV heads together); None = two per SM on CUDA, 0 = never split."""
         self.prefill_cfg = prefill
@@ -98,12 +98,10 @@ class TritonBackend(AttentionBackend):
             if launch.desc.shape[0]:
                 # Held until the launch is queued: the kernel reads K rows from it.
                 scratch = None
-                k_src = k_cache
                 if launch.prerotation is not None:
                     scratch = rotate_keys(k_cache, launch.prerotation, prepared.inv_freq)
-                    if launch.prerotation.dense:
-                        k_src = scratch
-                _launch_attention(prepared, launch, cfg, bm, q, k_src, v_cache, out, G)
+                _launch_attention(prepared, launch, cfg, bm, q, k_cache if scratch is None else scratch,
+                                  v_cache, out, G)
                 del scratch
         return out
 
@@ -125,7 +123,7 @@ def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_
     KVH = k_cache.shape[2]
     if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("q needs a unit last stride and the caches must be contiguous")
-    # k_cache is the layer's K cache, or a dense prerotation's scratch (same row layout)
+    # k_cache is the layer's K cache, or the launch's prerotated K scratch (same row layout)
     k_flat = k_cache.view(-1, KVH, D)
     v_flat = v_cache.view(-1, KVH, D)
     # The softmax runs in base 2: fold log2(e) into the score scale.
@@ -139,14 +137,13 @@ def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_
         part_lse = torch.empty(launch.split, n_loc, H, dtype=torch.float32, device=q.device)
     attention_kernel[(launch.desc.shape[0], KVH)](
         q, k_flat, v_flat, out,
-        launch.desc, lay.key_slots, lay.key_slots if pre is None or pre.dense else pre.k_slots,
+        launch.desc, lay.key_slots,
         lay.q_pos, lay.anchor, lay.seg,
         launch.tile_start, launch.tile_end, launch.tile_delta, lay.inv_freq, part_o, part_lse,
         q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), out.stride(0), n_loc, H,
         qk_scale,
         G=G, D=D, BLOCK_M=block_m, BLOCK_N=cfg.block_n, NUM_FIELDS=NUM_FIELDS,
-        HAS_DELTA=launch.fused_delta, KEEP_Q=block_m <= _KEEP_Q_ROWS,
-        K_SLOTS=pre is not None and not pre.dense, K_DENSE=pre is not None and pre.dense,
+        HAS_DELTA=launch.fused_delta, KEEP_Q=block_m <= _KEEP_Q_ROWS, K_SCRATCH=pre is not None,
         HAS_PLUS=lay.has_plus, PREC=prec, SPLIT=launch.split > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -159,33 +156,18 @@ def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_
 
 
 def rotate_keys(k_cache: torch.Tensor, pre: Prerotation, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Scratch holding R(delta) K of the prerotated keys of one layer.
-
-    Dense: [n, 1, KVH, D], read by position. Sparse: pre.k_slots is pointed at the scratch rows,
-    and the attention kernel reads every K row as k_cache + slot * row, scratch rows included:
-    the scratch is placed a whole number of rows away from k_cache (CUDA's flat address space makes
-    that offset addressable) and its rows get the slots beyond that distance."""
+    """[n, 1, KVH, D] scratch holding R(delta) K of the launch's keys for one layer, in key order."""
     KVH, D = k_cache.shape[2], k_cache.shape[3]
     n = pre.src_slots.numel()
-    W = KVH * D
-    esize = k_cache.element_size()
-    if pre.dense:
-        buf = out = torch.empty(n, 1, KVH, D, dtype=k_cache.dtype, device=k_cache.device)
-        slot0 = 0
-    else:
-        buf = torch.empty((n + 1) * W, dtype=k_cache.dtype, device=k_cache.device)
-        shift = (k_cache.data_ptr() - buf.data_ptr()) % (W * esize) // esize
-        out = buf[shift:shift + n * W].view(n, KVH, D)
-        slot0 = (out.data_ptr() - k_cache.data_ptr()) // (W * esize)  # may be far and negative: int64
+    out = torch.empty(n, 1, KVH, D, dtype=k_cache.dtype, device=k_cache.device)
     block_kvh = triton.next_power_of_2(KVH)
     # 32 (key, head) rows of D per program: more holds the fp32 halves in spilled registers.
     block_k = max(1, 32 // block_kvh)
     rotate_keys_kernel[(triton.cdiv(n, block_k),)](
-        k_cache, out, pre.src_slots, pre.delta, inv_freq,
-        pre.src_slots if pre.key_pos is None else pre.key_pos, out if pre.k_slots is None else pre.k_slots, n, slot0, W,
-        KVH=KVH, D=D, BLOCK_K=block_k, BLOCK_KVH=block_kvh, SET_SLOTS=not pre.dense, num_warps=4,
+        k_cache, out, pre.src_slots, pre.delta, inv_freq, n, KVH * D,
+        KVH=KVH, D=D, BLOCK_K=block_k, BLOCK_KVH=block_kvh, num_warps=4,
     )
-    return buf
+    return out
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -24,19 +24,19 @@ F_MAX_SEG = tl.constexpr(layout.F_MAX_SEG)
 F_MIN_T = tl.constexpr(layout.F_MIN_T)
 F_SPLIT = tl.constexpr(layout.F_SPLIT)
 F_LOC0 = tl.constexpr(layout.F_LOC0)
-F_DENSE_BASE = tl.constexpr(layout.F_DENSE_BASE)
+F_SCRATCH_BASE = tl.constexpr(layout.F_SCRATCH_BASE)
 
 
 @triton.jit
 def attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    desc_ptr, key_slots_ptr, k_slots_ptr, qpos_ptr, anchor_ptr, seg_ptr,
+    desc_ptr, key_slots_ptr, qpos_ptr, anchor_ptr, seg_ptr,
     tile_start_ptr, tile_end_ptr, tile_delta_ptr, inv_freq_ptr, part_o_ptr, part_lse_ptr,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_ot, n_loc, n_heads,
     qk_scale,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_FIELDS: tl.constexpr, HAS_DELTA: tl.constexpr, KEEP_Q: tl.constexpr,
-    K_SLOTS: tl.constexpr, K_DENSE: tl.constexpr, HAS_PLUS: tl.constexpr, PREC: tl.constexpr,
+    K_SCRATCH: tl.constexpr, HAS_PLUS: tl.constexpr, PREC: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
     """One program: up to BLOCK_M // G query tokens of one row times the G query heads that share
@@ -44,9 +44,9 @@ def attention_kernel(
 
     HAS_DELTA: tiles carry their span's delta; when it changes, the queries are rotated by -delta
     (from Q and swap(Q) kept in registers if KEEP_Q, else re-read), so the loop itself only adds one
-    pipelined scalar load and a compare. K_SLOTS: K is read through its own slot list (prerotated
-    keys point at scratch rows), V through the row's slots. K_DENSE: k_cache_ptr is a scratch
-    holding the row's keys in order from F_DENSE_BASE (no K slot list at all). SPLIT: the program covers one share of
+    pipelined scalar load and a compare. K_SCRATCH: k_cache_ptr is the launch's prerotated K
+    scratch, holding the row's keys in order from F_SCRATCH_BASE; V is read through the slots.
+    SPLIT: the program covers one share of
     its query block's tiles and writes its normalized output and log2-sum-exp to the partial
     buffers [split, launch-local token, head], for `combine_kernel`."""
     HALF: tl.constexpr = D // 2
@@ -57,8 +57,8 @@ def attention_kernel(
     tok1 = tl.load(desc + F_TOK1)
     key_base = tl.load(desc + F_KEY_BASE)
     min_t = tl.load(desc + F_MIN_T)
-    if K_DENSE:
-        dense_base = tl.load(desc + F_DENSE_BASE)
+    if K_SCRATCH:
+        scratch_base = tl.load(desc + F_SCRATCH_BASE)
 
     rows = tl.arange(0, BLOCK_M)
     tok = tok0 + rows // G
@@ -107,14 +107,11 @@ def attention_kernel(
                 kin = kk < k1
                 slot = tl.load(key_slots_ptr + key_base + kk, mask=kin, other=0).to(tl.int64)
                 v_ptrs = v_cache_ptr + slot[:, None] * stride_cs + kv_col[None, :]
-                if K_DENSE:
-                    k_row = (dense_base + kk).to(tl.int64)
+                if K_SCRATCH:
+                    # Contiguous rows and no second index load: this is why the prerotation copies
+                    # zero spans too (the slot-list variant ran 4-7% slower on H100).
+                    k_row = (scratch_base + kk).to(tl.int64)
                     k_ptrs = k_cache_ptr + k_row[:, None] * stride_cs + kv_col[None, :]
-                elif K_SLOTS:
-                    # One base pointer for all of K: a select between two bases measured ~10%
-                    # slower on H100 (Triton 3.6).
-                    k_slot = tl.load(k_slots_ptr + key_base + kk, mask=kin, other=0).to(tl.int64)
-                    k_ptrs = k_cache_ptr + k_slot[:, None] * stride_cs + kv_col[None, :]
                 else:
                     k_ptrs = k_cache_ptr + slot[:, None] * stride_cs + kv_col[None, :]
                 kt = tl.load(k_ptrs, mask=kin[:, None], other=0.0)
@@ -198,21 +195,15 @@ def combine_kernel(
 
 @triton.jit
 def rotate_keys_kernel(
-    k_cache_ptr, out_ptr, slots_ptr, delta_ptr, inv_freq_ptr, key_pos_ptr, k_slots_ptr,
-    n_keys, out_slot0, stride_cs,
+    k_cache_ptr, out_ptr, slots_ptr, delta_ptr, inv_freq_ptr, n_keys, stride_cs,
     KVH: tl.constexpr, D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KVH: tl.constexpr,
-    SET_SLOTS: tl.constexpr,
 ):
     """out[i] = R(delta[i]) k_cache[slots[i]] for BLOCK_K keys, every head: the deferred rotation
-    done once per layer for a prefill launch, and k_slots[key_pos[i]] = out_slot0 + i, the slot of
-    out[i] counted from k_cache (only with SET_SLOTS: a dense scratch is read by position). Angles are computed on [BLOCK_K, 1, HALF] and broadcast over the
-    heads, so each (key, frequency) costs one sin/cos."""
+    done once per layer for a prefill launch. Angles are computed on [BLOCK_K, 1, HALF] and
+    broadcast over the heads, so each (key, frequency) costs one sin/cos."""
     HALF: tl.constexpr = D // 2
     kk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = kk < n_keys
-    if SET_SLOTS:
-        pos = tl.load(key_pos_ptr + kk, mask=k_ok, other=0)
-        tl.store(k_slots_ptr + pos, out_slot0 + kk.to(tl.int64), mask=k_ok)
     slot = tl.load(slots_ptr + kk, mask=k_ok, other=0).to(tl.int64)
     ang = tl.load(delta_ptr + kk, mask=k_ok, other=0).to(tl.float32)
     hh = tl.arange(0, BLOCK_KVH)

@@ -7,9 +7,14 @@ a row free: they only shift which slots a tile gathers. Two ways to apply a span
 - *fused* (decode launches, optionally prefill): tiles of at most BLOCK_N keys never cross a span,
   each carries its span's delta, and a program rotates its queries when the delta changes
   (q . R(d) k = R(-d) q . k), walking all its tiles in one flat, software-pipelined loop;
-- *prerotated* (prefill launches by default): before attention, each layer's keys of nonzero
-  spans are rotated once into a scratch buffer and the kernel reads K from there; tiles then
-  ignore spans. Rotating Q inside a 128-row program costs more than this one memory pass.
+- *prerotated* (prefill launches by default): before attention, each layer's keys of the launch
+  are copied once, rotated by their span's delta, into a contiguous scratch, and the kernel reads
+  K from there by position; tiles then ignore spans. Rotating Q inside a 128-row program costs
+  more than this one memory pass, and contiguous K costs less than K gathered through slots.
+
+A launch with too few programs to fill the GPU (a short chunk over a long context) is *split*:
+each query block's tiles are shared among several programs that write partial outputs and their
+log-sum-exp, merged afterwards by a combine pass.
 
 Each program owns up to BLOCK_Q query tokens of one row and one KV head. Its descriptor carries
 the tile ranges it must visit, computed here once per step (not once per layer). The visible set
@@ -31,7 +36,7 @@ F_TOK0, F_TOK1, F_KEY_BASE = 0, 1, 2
 F_PART0 = 3  # klo, khi, tile_lo, tile_hi of part 0 (anchor prefix); part 1 follows at +4
 F_MIN_ANCHOR, F_MAX_SEG, F_MIN_T = 11, 12, 13
 F_SPLIT, F_LOC0 = 14, 15  # split launches: which split of its query block, launch-local index of tok0
-F_DENSE_BASE = 16  # dense prerotation: the row's first key in the launch's K scratch
+F_SCRATCH_BASE = 16  # prerotated launches: the row's first key in the launch's K scratch
 NUM_FIELDS = 32  # a descriptor row is 128 bytes
 
 
@@ -51,16 +56,12 @@ class _RowHost:
 
 @dataclass
 class Prerotation:
-    """Keys of one launch to rotate into scratch each layer: scratch row i holds
-    R(delta[i]) k[src_slots[i]]. Sparse: only keys of nonzero spans, and k_slots[key_pos[i]] is
-    rewritten to point at row i. Dense: every key of the launch's rows in row order (zero spans
-    copied), so the kernel reads K at its row's F_DENSE_BASE + key index, with no slot list."""
+    """Keys of one launch to copy into a scratch each layer, in row order: scratch row i holds
+    R(delta[i]) k[src_slots[i]] (zero spans copied as they are), so the kernel reads K at its
+    row's F_SCRATCH_BASE + key index, contiguous and without a slot list."""
 
     src_slots: torch.Tensor  # [n] int32
     delta: torch.Tensor  # [n] int32
-    key_pos: torch.Tensor | None  # [n] int32 index into the step's key list (sparse)
-    k_slots: torch.Tensor | None  # [sum keys] int64: K's slot of every key; scratch rows can be far
-    dense: bool = False
 
 
 @dataclass
@@ -93,12 +94,11 @@ class StepLayout:
     fixed: tuple[Launch, Launch] | None = None  # set by a static (graph) layout: its launches
     _launches: dict[tuple, tuple[Launch, Launch]] = field(default_factory=dict)
 
-    def launches(self, small_q: int, small_n: int, big_q: int, big_n: int, prerotate_big: "bool | str",
+    def launches(self, small_q: int, small_n: int, big_q: int, big_n: int, prerotate_big: bool,
                  split: "SplitPolicy | None" = None) -> tuple[Launch, Launch]:
         """The two launches: rows of at most `small_q` queries (decodes) get programs of `small_q`
         tokens and tiles of `small_n` keys, fused rotation; the rest `big_q` and `big_n`, with
-        their rotation done beforehand when `prerotate_big` (True: sparse, "dense": all keys),
-        split along keys per `split`."""
+        their rotation done beforehand when `prerotate_big`, split along keys per `split`."""
         if self.fixed is not None:
             return self.fixed
         key = (small_q, small_n, big_q, big_n, prerotate_big, split)
@@ -234,7 +234,7 @@ def _split(desc: np.ndarray, ways: int) -> np.ndarray:
     return out
 
 
-def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate: "bool | str",
+def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate: bool,
               split: SplitPolicy | None = None) -> Launch:
     dev = lay.key_slots.device
     if not rows:
@@ -243,19 +243,13 @@ def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate
     tiles: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     rot_keys: list[np.ndarray] = []
     rot_delta: list[np.ndarray] = []
-    dense = prerotate == "dense"
-    n_tiles = n_tok = n_dense = 0
+    n_tiles = n_tok = n_scratch = 0
     for r in rows:
         ts, te, td = _tiles(r, bn, split=not prerotate)
         tiles.append((ts, te, td))
-        if dense:
+        if prerotate:
             rot_keys.append(np.arange(r.key_base, r.key_base + r.n_keys))
             rot_delta.append(np.repeat(r.span_delta, r.span_ends - r.span_starts))
-        elif prerotate:
-            for s, e, d in zip(r.span_starts, r.span_ends, r.span_delta):
-                if d != 0:
-                    rot_keys.append(np.arange(r.key_base + s, r.key_base + e))
-                    rot_delta.append(np.full(e - s, d))
         nq = r.q_end - r.q_start
         starts = np.arange(0, nq, bq)
         max_t = np.maximum.reduceat(r.q_pos, starts)
@@ -282,8 +276,8 @@ def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate
             d[:, base + 2], d[:, base + 3] = n_tiles + jlo, n_tiles + jhi
         d[:, F_MIN_ANCHOR], d[:, F_MAX_SEG], d[:, F_MIN_T] = min_a, max_s, min_t
         d[:, F_LOC0] = n_tok + starts
-        d[:, F_DENSE_BASE] = n_dense
-        n_dense += r.n_keys if dense else 0
+        d[:, F_SCRATCH_BASE] = n_scratch
+        n_scratch += r.n_keys if prerotate else 0
         out.append(d)
         n_tiles += len(ts)
         n_tok += nq
@@ -308,10 +302,6 @@ def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate
     pre = None
     if rot_keys:
         keys = torch.from_numpy(np.concatenate(rot_keys)).to(dev)
-        if dense:
-            pre = Prerotation(lay.key_slots[keys].contiguous(), dev32(rot_delta), None, None, True)
-        else:
-            pre = Prerotation(lay.key_slots[keys].contiguous(), dev32(rot_delta), keys.to(torch.int32),
-                              lay.key_slots.long())
+        pre = Prerotation(lay.key_slots[keys].contiguous(), dev32(rot_delta))
     return Launch(dev32([desc]).view(-1, NUM_FIELDS), dev32([t[0] for t in tiles]), dev32([t[1] for t in tiles]),
                   tile_delta, bool(any((t[2] != 0).any() for t in tiles)), pre, ways, tokens)
