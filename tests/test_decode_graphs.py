@@ -1,18 +1,29 @@
 """Decode steps through fixed-address buffers (the CUDA-graph path, run here without capture
-through Triton's interpreter) give the same tokens as the eager reference backend."""
+through Triton's interpreter) give the same tokens as the eager reference backend and as the eager
+general Triton path; the packed layout a decode step sends equals the general layout."""
 from __future__ import annotations
 
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import random  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from spanserve.attention.reference import ReferenceBackend  # noqa: E402
 from spanserve.attention.triton import LaunchConfig, TritonBackend  # noqa: E402
+from spanserve.attention.triton.layout import build_layout  # noqa: E402
+from spanserve.attention.triton.static import StaticDecode  # noqa: E402
+from spanserve.cache.table import Entry  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
+from spanserve.engine.request import Task  # noqa: E402
+from spanserve.engine.runner import build_plan, decode_rows  # noqa: E402
 from spanserve.engine.sampling import SamplingParams  # noqa: E402
+from spanserve.engine.scheduler import Chunk  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 SMALL = LaunchConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
@@ -61,3 +72,97 @@ def test_eager_engine_has_no_graphs_on_cpu(tmp_path) -> None:
     path, _ = make_tiny_model("llama", tmp_path)
     assert LLMEngine(str(path), num_blocks=32, backend=TritonBackend()).runner.graphs is None
     assert LLMEngine(str(path), num_blocks=32, backend=TritonBackend(), cuda_graphs=False).runner.graphs is None
+
+
+def test_lean_decode_matches_eager_general_path(tmp_path) -> None:
+    """Warm span requests decode with deltas; tiny capacities make keys and tiles outgrow the
+    buffers; a batch over max_batch falls back to the general eager path mid-run."""
+    path, _ = make_tiny_model("llama", tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    prompts = _prompts(gen, 384)[1:3] + [torch.randint(3, 384, (37,), generator=gen).tolist()]
+    eager = LLMEngine(str(path), block_size=8, num_blocks=128, backend=TritonBackend(SMALL, SMALL), cuda_graphs=False)
+    lean = LLMEngine(str(path), block_size=8, num_blocks=128, backend=TritonBackend(SMALL, SMALL), cuda_graphs="eager")
+    graphs = lean.runner.graphs
+    graphs.capacity = 16
+    graphs.max_batch = 2  # batch 3 runs eagerly
+    assert _run(lean, prompts) == _run(eager, prompts)
+    warm = prompts[1::-1] + prompts[2:]  # the segments come back from the cache at new positions
+    assert _run(lean, warm) == _run(eager, warm)
+    assert sorted(graphs.buffers) == [1, 2]
+    statics = [b.static for b in graphs.buffers.values()]
+    assert all(s.capacity > 16 for s in statics) and any(s.tile_capacity > 4 for s in statics)
+    assert any(True in s._layouts for s in statics)  # some step rotated keys in the kernel (fused deltas)
+
+
+def _decode_chunks(rng: random.Random, bs: int) -> list[Chunk]:
+    """Decode rows over random block tables: partial blocks anywhere, runs of entries sharing a
+    delta (zero or not), rows without any delta, and queries before the table's end."""
+    free = list(range(1, 512))
+    rng.shuffle(free)
+    chunks = []
+    for _ in range(rng.randint(1, 6)):
+        entries, deltas = [], rng.random() < 0.7
+        for _ in range(rng.randint(1, 24)):
+            if not entries or rng.random() < 0.4:
+                delta = rng.choice([0, rng.randint(1, 900), -rng.randint(1, 300)]) if deltas else 0
+            n = bs if rng.random() < 0.6 else rng.randint(1, bs - 1)
+            entries.append(Entry(free.pop(), delta, n))
+        n_keys = sum(e.n_valid for e in entries)
+        p = n_keys - 1 if rng.random() < 0.7 else rng.randint(0, n_keys - 1)
+        tokens = [rng.randint(0, 99) for _ in range(n_keys)]
+        task = Task(tokens, entries, [], bs, sample=True, main=True)
+        chunks.append(Chunk(request=None, task=task, positions=[p]))
+    return chunks
+
+
+@pytest.mark.parametrize("block_n", [4, 16, 128])
+def test_packed_layout_equals_general_layout(block_n: int) -> None:
+    rng = random.Random(block_n)
+    bs, small_q = 8, 4
+    static = StaticDecode(6, torch.zeros(4), torch.device("cpu"), capacity=16)
+    for trial in range(40):
+        chunks = _decode_chunks(rng, bs)
+        B = len(chunks)
+        ids, plan, sample_at = build_plan(chunks, bs, torch.device("cpu"))
+        lay = build_layout(plan, torch.zeros(4))
+        small, big = lay.launches(small_q, block_n, 16, 64, True)
+        assert StaticDecode.eligible(lay, small, big)
+        rows, lean_sample_at = decode_rows(chunks)
+        assert lean_sample_at == sample_at
+        if static.batch != B:
+            static = StaticDecode(B, torch.zeros(4), torch.device("cpu"), capacity=16)
+        old = (static.capacity, static.tile_capacity)
+        fixed, moved = static.load(rows, block_n)
+        n_keys, n_tiles = lay.key_slots.numel(), small.tile_start.numel()
+        assert moved == ((static.capacity, static.tile_capacity) != old)
+        assert static.capacity >= n_keys and static.tile_capacity >= n_tiles
+        got, want = fixed.fixed[0], small
+        assert torch.equal(got.desc, want.desc), trial
+        for g, w in ((got.tile_start, want.tile_start), (got.tile_end, want.tile_end),
+                     (got.tile_delta, want.tile_delta)):
+            assert torch.equal(g[:n_tiles], w)
+        assert got.fused_delta == want.fused_delta == fixed.has_delta
+        assert torch.equal(fixed.key_slots[:n_keys], lay.key_slots)
+        assert torch.equal(fixed.q_pos, lay.q_pos)
+        assert torch.equal(fixed.anchor, lay.anchor) and torch.equal(fixed.seg, lay.seg)
+        assert torch.equal(fixed.write_slots, lay.write_slots)
+        assert torch.equal(static.ids, ids) and torch.equal(static.positions, plan.positions)
+        assert not fixed.has_plus and fixed.fixed[1].desc.shape[0] == 0
+
+
+def test_packed_layout_alternates_host_buffers() -> None:
+    """Consecutive steps are written into different host buffers (one may still feed an earlier
+    copy), and each step's contents arrive whole."""
+    rng = random.Random(5)
+    static = StaticDecode(1, torch.zeros(4), torch.device("cpu"), capacity=1 << 12)
+    seen = []
+    for _ in range(4):
+        chunks = _decode_chunks(rng, 8)[:1]
+        rows, _ = decode_rows(chunks)
+        seen.append(static._turn)
+        fixed, moved = static.load(rows, 16)
+        assert not moved
+        slots = chunks[0].task.slots[:rows.pos[0] + 1]
+        assert np.array_equal(fixed.key_slots[:len(slots)].numpy(), slots)
+        assert static.ids.item() == rows.ids[0] and fixed.write_slots.item() == slots[-1]
+    assert seen == [0, 1, 0, 1]

@@ -4,25 +4,33 @@ that compute the holes, publishes computed blocks and releases them."""
 from __future__ import annotations
 
 import itertools
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import numpy as np
 
 from spanserve.cache import hashing
 from spanserve.cache.block_pool import Block, BlockPool
 from spanserve.cache.storage import KVStorage
-from spanserve.cache.table import Entry
+from spanserve.cache.table import Table, truncate
 from spanserve.engine.layout import Piece
 from spanserve.engine.request import Request, Task
 from spanserve.reuse.recompute import RecomputeSpec
 
 
-class _Slot(NamedTuple):
-    """One block of a unit: a shared cached block, or a fresh one whose first `copy_n` slots are
-    copied from `src` (a cached block holding a prefix of this block's tokens)."""
+class _Plan(NamedTuple):
+    """How a unit gets its blocks: block i shares the cached block `shared[i]`, or (None) is a
+    fresh one whose first `copy_n` slots are copied from `src`, `copies[i] = (src, copy_n)`
+    (src: a cached block holding a prefix of its tokens, or None). Columns rather than one
+    object per block: a warm layout is thousands of shared blocks and no copies."""
 
-    shared: Block | None = None
-    src: Block | None = None
-    copy_n: int = 0
+    shared: list[Block | None]
+    copies: dict[int, tuple[Block | None, int]]
+
+
+_ID = operator.attrgetter("id")
 
 
 @dataclass
@@ -36,7 +44,7 @@ class Unit:
     local_start: int
     plus: bool
     final: bool
-    tokens: list[int]
+    tokens: Sequence[int]
     blocks: list[Block] = field(default_factory=list)
     n_valid: list[int] = field(default_factory=list)
     keys: list[int] = field(default_factory=list)
@@ -44,6 +52,7 @@ class Unit:
     todo: list[int] = field(default_factory=list)  # unit-relative positions to compute
     task: Task | None = None  # encode task of a plus unit with holes
     source: "Unit | None" = None  # under a selective policy: the shared segment this run recomputes
+    packed: bytes | None = field(default=None, repr=False)  # the tokens as int32 LE, if the piece had them
 
     @property
     def delta(self) -> int:
@@ -70,7 +79,7 @@ class CacheManager:
         self.rotary = rotary
 
     # ---- lookup ---------------------------------------------------------------------------
-    def _probe_partial(self, parent: int, toks: list[int], longest: int) -> tuple[Block | None, int]:
+    def _probe_partial(self, parent: int, toks: Sequence[int], longest: int) -> tuple[Block | None, int]:
         """The cached block holding the longest prefix (<= longest tokens) of `toks`: a unit that
         ended inside this block (an earlier turn, a finished generation) left it behind."""
         best, got = None, 0
@@ -80,17 +89,24 @@ class CacheManager:
                 best, got = b, n
         return best, got
 
-    def _plan_unit(self, seed: int, tokens: list[int], keys: list[int], extended: bool) -> list[_Slot]:
+    def _plan_unit(self, seed: int, tokens: Sequence[int], keys: list[int], extended: bool,
+                   packed: bytes | None = None) -> _Plan:
         """Never stops at the first miss: a chained key after a gap still hits (perforated).
         An `extended` unit (generation continues it; its final token's logits are needed) keeps
         its last block private: copied from a hit, never shared."""
         bs = self.block_size
         n_blocks = -(-len(tokens) // bs)
-        plan: list[_Slot] = []
-        hits = self.pool.lookup_chain(keys, tokens, bs)  # the full blocks, in one pass
-        for i in range(n_blocks):
-            if i < len(hits) and hits[i] is not None and not (extended and i == n_blocks - 1):
-                plan.append(_Slot(shared=hits[i]))
+        hits = self.pool.lookup_chain(keys, tokens, bs, packed)  # the full blocks, in one pass
+        shared: list[Block | None] = hits + [None] * (n_blocks - len(hits))
+        if extended:
+            shared[-1] = None
+        copies: dict[int, tuple[Block | None, int]] = {}
+        # every full block hit (blocks are truthy): only a partial tail can be left to look at
+        first = len(hits) if all(hits) else 0
+        if extended:
+            first = min(first, n_blocks - 1)
+        for i in range(first, n_blocks):
+            if shared[i] is not None:
                 continue
             toks = tokens[i * bs:(i + 1) * bs]
             parent = keys[i - 1] if i else seed
@@ -98,15 +114,14 @@ class CacheManager:
             key = keys[i] if len(toks) == bs else hashing.block_key(parent, toks)
             hit = self.pool.lookup(key, toks)
             if hit is not None and not (extended and last):
-                plan.append(_Slot(shared=hit))
+                shared[i] = hit
                 continue
             keep = len(toks) - 1 if (extended and last) else len(toks)
             if hit is not None:
-                plan.append(_Slot(src=hit, copy_n=keep))
+                copies[i] = (hit, keep)
                 continue
-            src, j = self._probe_partial(parent, toks, min(keep, len(toks) - 1))
-            plan.append(_Slot(src=src, copy_n=j))
-        return plan
+            copies[i] = self._probe_partial(parent, toks, min(keep, len(toks) - 1))
+        return _Plan(shared, copies)
 
     # ---- admission ------------------------------------------------------------------------
     def _units(self, req: Request, pieces: list[Piece]) -> list[Unit]:
@@ -114,24 +129,24 @@ class CacheManager:
         plain = hashing.seed(ns)
         units: list[Unit] = []
         link = plain
-        prefix = list(pieces[0].tokens) if pieces[0].kind == "cross" else []
+        prefix = pieces[0].tokens if pieces[0].kind == "cross" else ()
         selective = req.policy is not None and req.policy.selective
         policy_key = req.policy.key if req.policy is not None else "none"
         bs = self.block_size
         for i, p in enumerate(pieces):
             final = i == len(pieces) - 1 and not req.encode_only
-            toks = list(p.tokens)
+            toks = p.tokens
             seg = None
             if p.kind == "plus":
                 # anchor none: exactly a plain causal encoding, so finished generations hit it
                 seed = plain if p.anchor_len == 0 else hashing.seed(ns, "anchor", prefix[: p.anchor_len])
-                seg = Unit(seed, p.start, p.anchor_len, True, final, toks)
-                seg.keys, digest = _keys(seed, toks, bs)
+                seg = Unit(seed, p.start, p.anchor_len, True, final, toks, packed=p.packed)
+                seg.keys, digest = _keys(seed, toks, bs, p.packed)
             if seg is not None and not selective:
                 u = seg
             else:  # the request's own run; a recomputed segment's KV is request-specific too
-                u = Unit(link, p.start, p.start, False, final, toks, source=seg)
-                u.keys, digest = _keys(link, toks, bs)
+                u = Unit(link, p.start, p.start, False, final, toks, source=seg, packed=p.packed)
+                u.keys, digest = _keys(link, toks, bs, p.packed)
             # whatever follows depends on this unit's content and place: chain it into the link
             link = hashing.seed(ns, "span", policy_key, link, digest, p.start, p.anchor_len)
             units.append(u)
@@ -141,51 +156,51 @@ class CacheManager:
         """Give a waiting request its blocks and tasks. False (and nothing changed) when the pool
         cannot hold it now."""
         units = self._units(req, req.current_pieces())
-        plans = [self._plan_unit(u.seed, u.tokens, u.keys, u.final) for u in units]
+        plans = [self._plan_unit(u.seed, u.tokens, u.keys, u.final, u.packed) for u in units]
         sources: list[Unit] = []
         if any(u.source is not None for u in units) and not _all_hit(units, plans, self.block_size):
             # The policy recomputes from the shared copies: every run from the first recomputed
             # segment on is produced by one selective forward, into fresh private blocks.
             first = next(i for i, u in enumerate(units) if u.source is not None)
             for i in range(first, len(units)):
-                plans[i] = [_Slot() for _ in plans[i]]
+                n = len(plans[i].shared)
+                plans[i] = _Plan([None] * n, dict.fromkeys(range(n), (None, 0)))
             sources = [u.source for u in units if u.source is not None]
         units_all = units + sources
-        plans += [self._plan_unit(u.seed, u.tokens, u.keys, False) for u in sources]
-        touched = [b for plan in plans for s in plan for b in (s.shared, s.src) if b is not None]
-        for b in touched:  # hold hits and copy sources so allocation cannot evict them
-            self.pool.acquire(b)
+        plans += [self._plan_unit(u.seed, u.tokens, u.keys, False, u.packed) for u in sources]
+        touched = _touched(plans)
+        self.pool.acquire_many(touched)  # hold hits and copy sources so allocation cannot evict them
         eager = [i for i, (u, plan) in enumerate(zip(units, plans)) if self.reposition == "eager"
-                 and u.plus and u.delta and all(s.shared is not None for s in plan)]
-        n_fresh = sum(1 for plan in plans for s in plan if s.shared is None)
-        n_fresh += sum(len(plans[i]) for i in eager)
+                 and u.plus and u.delta and not plan.copies]
+        n_fresh = sum(len(plan.copies) for plan in plans)
+        n_fresh += sum(len(plans[i].shared) for i in eager)
         if self.pool.num_free < n_fresh:
-            for b in touched:
-                self.pool.release(b)
+            self.pool.release_many(touched)
             return False
         req.held = []
         reuse = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0}
         contiguous = True
         bs = self.block_size
         for u, plan in zip(units_all, plans):
-            if plan and all(s.shared is not None for s in plan):  # wholly cached: no per-block work
-                blocks = [s.shared for s in plan]
-                req.held.extend(blocks)
-                u.blocks.extend(blocks)
-                u.n_valid.extend([bs] * (len(plan) - 1) + [len(u.tokens) - (len(plan) - 1) * bs])
+            n_blocks = len(plan.shared)
+            if not plan.copies:  # wholly cached: no per-block work
+                req.held.extend(plan.shared)  # type: ignore[arg-type]
+                u.blocks.extend(plan.shared)  # type: ignore[arg-type]
+                u.n_valid.extend([bs] * (n_blocks - 1) + [len(u.tokens) - (n_blocks - 1) * bs])
                 reuse["segment" if u.plus else ("prefix" if contiguous else "perforated")] += len(u.tokens)
                 continue
-            for i, s in enumerate(plan):
+            for i, b in enumerate(plan.shared):
                 n_tok = min(bs, len(u.tokens) - i * bs)
-                if s.shared is not None:
-                    b, got = s.shared, n_tok
+                if b is not None:
+                    got = n_tok
                 else:
+                    src, copy_n = plan.copies[i]
                     b = self.pool.allocate()
-                    if s.src is not None:
-                        self.storage.copy(s.src.id, b.id, s.copy_n)
-                        self.pool.release(s.src)
+                    if src is not None:
+                        self.storage.copy(src.id, b.id, copy_n)
+                        self.pool.release(src)
                     u.fresh.append(i)
-                    got = s.copy_n
+                    got = copy_n
                     u.todo.extend(range(i * bs + got, i * bs + n_tok))
                 req.held.append(b)
                 u.blocks.append(b)
@@ -219,7 +234,9 @@ class CacheManager:
         that prefix as its anchor), then the rest of the main row (it reads the segments)."""
         bs = self.block_size
         entries = self.entries(units)
-        tokens = list(itertools.chain.from_iterable(u.tokens for u in units))
+        # the units are the current pieces, which cover the prompt and then the output in order
+        tokens = req.prompt_token_ids + req.output_token_ids
+        assert len(tokens) == units[-1].start + len(units[-1].tokens)
         first_plus = next((i for i, u in enumerate(units) if u.plus or u.source is not None), len(units))
         before = [u.start + p for u in units[:first_plus] for p in u.todo]
         after = [u.start + p for u in units[first_plus:] if not u.plus for p in u.todo]
@@ -230,8 +247,8 @@ class CacheManager:
         for u in units + sources:
             if u.plus and u.todo:
                 a = u.local_start
-                seg_entries = [Entry(b.id, 0, n) for b, n in zip(u.blocks, u.n_valid)]
-                u.task = Task(tokens[:a] + u.tokens, _truncate(anchor_entries, a) + seg_entries,
+                seg_entries = _table([u], local=True)
+                u.task = Task(tokens[:a] + list(u.tokens), np.concatenate([truncate(anchor_entries, a), seg_entries]),
                               [a + p for p in u.todo], bs)
                 tasks.append(u.task)
         main_todo = after if first_plus < len(units) else before
@@ -245,8 +262,8 @@ class CacheManager:
         return tasks
 
     @staticmethod
-    def entries(units: list[Unit]) -> list[Entry]:
-        return [Entry(b.id, u.delta, n) for u in units for b, n in zip(u.blocks, u.n_valid)]
+    def entries(units: list[Unit]) -> Table:
+        return _table(units)
 
     def ensure_capacity(self, req: Request) -> bool:
         """Room in the final unit for every token of the main task (decode growth)."""
@@ -330,37 +347,51 @@ class CacheManager:
         """Publish what the request computed, then drop its references; its blocks stay cached."""
         if req.tasks:
             self.publish(req, tail=True)
-        for b in req.held:
-            self.pool.release(b)
+        self.pool.release_many(req.held)
         req.held = []
         req.tasks = []
         req.units = []
         req.sources = []
 
 
-def _keys(seed: int, tokens: list[int], bs: int) -> tuple[list[int], int]:
+def _keys(seed: int, tokens: Sequence[int], bs: int, packed: bytes | None = None) -> tuple[list[int], int]:
     """Full-block chain keys and the digest of the whole unit (its partial tail included)."""
-    keys = hashing.chain_keys(seed, tokens, bs, include_partial=True)
+    arr = tokens if packed is None else np.frombuffer(packed, "<i4")  # no second conversion
+    keys = hashing.chain_keys(seed, arr, bs, include_partial=True)
     full = keys if len(tokens) % bs == 0 else keys[:-1]
     return full, keys[-1]
 
 
-def _all_hit(units: list[Unit], plans: list[list[_Slot]], bs: int) -> bool:
+def _touched(plans: list[_Plan]) -> list[Block]:
+    """The cached blocks a request reads: each shared block, or else its copy source, in order."""
+    out: list[Block] = []
+    for plan in plans:
+        if not plan.copies:
+            out += plan.shared  # type: ignore[arg-type]
+            continue
+        for i, b in enumerate(plan.shared):
+            src = b if b is not None else plan.copies[i][0]
+            if src is not None:
+                out.append(src)
+    return out
+
+
+def _table(units: list[Unit], local: bool = False) -> Table:
+    """The units' entries as columns, built in bulk (~6k blocks for a warm 90k-token layout).
+    `local`: delta 0, how a plus unit's own encoding task reads it."""
+    n = sum(len(u.blocks) for u in units)
+    table = np.empty((n, 3), np.int64)
+    table[:, 0] = np.fromiter(map(_ID, itertools.chain.from_iterable(u.blocks for u in units)), np.int64, n)
+    table[:, 1] = 0 if local else np.repeat([u.delta for u in units], [len(u.blocks) for u in units])
+    table[:, 2] = np.fromiter(itertools.chain.from_iterable(u.n_valid for u in units), np.int64, n)
+    return table
+
+
+def _all_hit(units: list[Unit], plans: list[_Plan], bs: int) -> bool:
     """The whole request chain is cached: only the final token is left to compute."""
     for u, plan in zip(units, plans):
-        for i, s in enumerate(plan):
-            if s.shared is None and not (u.final and i == len(plan) - 1
-                                         and s.copy_n == min(bs, len(u.tokens) - i * bs) - 1):
+        last = len(plan.shared) - 1
+        for i, (_, copy_n) in plan.copies.items():
+            if not (u.final and i == last and copy_n == min(bs, len(u.tokens) - i * bs) - 1):
                 return False
     return True
-
-
-def _truncate(entries: list[Entry], n: int) -> list[Entry]:
-    """The entries covering the first n positions."""
-    out: list[Entry] = []
-    for e in entries:
-        if n <= 0:
-            break
-        out.append(Entry(e.block, e.delta, min(e.n_valid, n)))
-        n -= e.n_valid
-    return out

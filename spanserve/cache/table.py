@@ -18,13 +18,30 @@ class Entry(NamedTuple):
     n_valid: int = 0
 
 
-def _columns(entries: list[Entry]) -> np.ndarray:
+# A block table as numpy columns: [n, 3] int64 of block, delta, n_valid per entry. The cache
+# manager builds these in bulk (no Entry tuple per block on the warm path).
+Table = np.ndarray
+
+
+def _columns(entries: "list[Entry] | Table") -> Table:
     """[n, 3] int64: block, delta, n_valid (one C-level conversion, no per-entry Python)."""
+    if isinstance(entries, np.ndarray):
+        return entries
     n = len(entries)
     return np.fromiter(itertools.chain.from_iterable(entries), np.int64, 3 * n).reshape(n, 3)
 
 
-def slot_array(entries: list[Entry], block_size: int) -> np.ndarray:
+def truncate(table: Table, n: int) -> Table:
+    """The entries covering the first n positions, the last one cut to fit."""
+    nv = table[:, 2]
+    starts = np.cumsum(nv) - nv
+    keep = starts < n
+    out = table[keep].copy()
+    out[:, 2] = np.minimum(out[:, 2], n - starts[keep])
+    return out
+
+
+def slot_array(entries: "list[Entry] | Table", block_size: int) -> np.ndarray:
     """Flat slot index (block * block_size + offset) of every key, in logical order."""
     cols = _columns(entries)
     n, base = cols[:, 2], cols[:, 0] * block_size
@@ -32,7 +49,7 @@ def slot_array(entries: list[Entry], block_size: int) -> np.ndarray:
     return np.repeat(base - (np.cumsum(n) - n), n) + np.arange(int(n.sum()), dtype=np.int64)
 
 
-def delta_array(entries: list[Entry]) -> np.ndarray | None:
+def delta_array(entries: "list[Entry] | Table") -> np.ndarray | None:
     """Per-key delta, or None when every entry has delta 0 (plain prompts pay nothing)."""
     cols = _columns(entries)
     if not cols[:, 1].any():

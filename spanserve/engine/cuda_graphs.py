@@ -1,7 +1,8 @@
 """Decode steps as CUDA graphs: at batch 1 an 8B model's decode step is ~500 kernel launches of a
 few microseconds each, so launching them from Python costs more than running them. A step whose
-rows are all plain decodes is copied into fixed-address buffers (the backend's static layout) and
-replays the graph captured for its batch size; anything else runs eagerly."""
+rows are all plain decodes is sent, in one host-to-device copy, into fixed-address buffers (the
+backend's static layout) and replays the graph captured for its batch size; anything else runs
+eagerly."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 
+from spanserve.attention.decode import DecodeRows
 from spanserve.attention.plan import AttentionPlan
 from spanserve.model.llama import LlamaModel
 
@@ -16,8 +18,7 @@ from spanserve.model.llama import LlamaModel
 @dataclass
 class _Buffers:
     static: Any  # the backend's StaticDecode for this batch size
-    ids: torch.Tensor
-    positions: torch.Tensor
+    plan: AttentionPlan  # the model's view of it (positions, write slots); remade when it moves
 
 
 class DecodeGraphs:
@@ -30,48 +31,46 @@ class DecodeGraphs:
         self.k_caches, self.v_caches = k_caches, v_caches
         self.max_batch = max_batch
         self.capture = capture
+        self.block_n: int = backend.decode_cfg.block_n  # keys per tile of the decode launch
         self.buffers: dict[int, _Buffers] = {}
         self.graphs: dict[tuple[int, bool], tuple[Any, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0  # steps served by a graph (or the fixed-buffer path)
         self.capacity = 1 << 14  # initial keys per batch size's buffers (they grow by doubling)
 
-    def run(self, ids: torch.Tensor, plan: AttentionPlan) -> torch.Tensor | None:
-        """Hidden states of a decode-only step, or None when the step is not one (run it eagerly)."""
-        B = ids.numel()
-        c = self.model.config
+    def run(self, rows: DecodeRows) -> torch.Tensor | None:
+        """Hidden states [B, hidden] of a decode-only step, or None when its batch has no graph
+        (run it eagerly)."""
+        B = len(rows)
         if B == 0 or B > self.max_batch:
-            return None
-        block_size = self.k_caches[0].shape[1]
-        lay = self.backend.prepare(plan, self.model.rotary, block_size)
-        small, big = self.backend.launches(lay, c.num_heads // c.num_kv_heads)
-        if not type(self.backend).static_eligible(lay, small, big):
             return None
         buf = self.buffers.get(B)
         if buf is None:
-            dev = ids.device
-            buf = _Buffers(self.backend.static_decode(B, self.model.rotary.inv_freq, dev, self.capacity),
-                           torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev))
-            self.buffers[B] = buf
-        static, moved = buf.static.load(lay, small)
+            static = self.backend.static_decode(B, self.model.rotary.inv_freq, self.model.device, self.capacity)
+            buf = self.buffers[B] = _Buffers(static, self._plan(static))
+        lay, moved = buf.static.load(rows, self.block_n)
         if moved:  # captured graphs of this batch size read the old buffers
+            buf.plan = self._plan(buf.static)
             for key in [k for k in self.graphs if k[0] == B]:
                 del self.graphs[key]
-        buf.ids.copy_(ids, non_blocking=True)
-        buf.positions.copy_(plan.positions, non_blocking=True)
-        fixed_plan = AttentionPlan(rows=[], positions=buf.positions, write_slots=static.write_slots)
         self.replays += 1
         if not self.capture:
-            return self._forward(buf, fixed_plan, static)
-        key = (B, small.fused_delta)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(buf, fixed_plan, static)
-        graph, out = self.graphs[key]
-        graph.replay()
+            out = self._forward(buf, buf.plan, lay)
+        else:
+            key = (B, lay.has_delta)
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(buf, buf.plan, lay)
+            graph, out = self.graphs[key]
+            graph.replay()
+        buf.static.fence()
         return out
 
+    @staticmethod
+    def _plan(static: Any) -> AttentionPlan:
+        return AttentionPlan(rows=[], positions=static.positions, write_slots=static.write_slots)
+
     def _forward(self, buf: _Buffers, plan: AttentionPlan, static: Any) -> torch.Tensor:
-        return self.model.forward(buf.ids, plan, self.backend, self.k_caches, self.v_caches, prepared=static)
+        return self.model.forward(buf.static.ids, plan, self.backend, self.k_caches, self.v_caches, prepared=static)
 
     def _capture(self, buf: _Buffers, plan: AttentionPlan, static: Any) -> tuple[Any, torch.Tensor]:
         # Warm up on a side stream (kernel compilation, allocator) as CUDA graph capture requires;

@@ -1,11 +1,11 @@
 """The synchronous engine: requests in, one scheduled model step at a time, outputs out."""
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from spanserve.attention.backend import AttentionBackend
@@ -13,7 +13,7 @@ from spanserve.attention.reference import ReferenceBackend
 from spanserve.cache.block_pool import BlockPool
 from spanserve.cache.manager import CacheManager
 from spanserve.cache.storage import KVStorage, bytes_per_block
-from spanserve.engine.layout import Segment, resolve
+from spanserve.engine.layout import Segment, checked_tokens, resolve
 from spanserve.engine.outputs import RequestOutput, find_stop
 from spanserve.engine.request import Request, Status
 from spanserve.engine.runner import ModelRunner
@@ -113,16 +113,7 @@ class LLMEngine:
 
     def check_ids(self, ids: "Sequence[int]") -> list[int]:
         """Token ids as a list of ints, each in the vocabulary (vectorized: layouts are long)."""
-        try:
-            arr = np.asarray(ids, dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            raise ValueError("token ids must be integers") from None
-        if arr.ndim != 1:
-            raise ValueError("token ids must be a flat list of integers")
-        bad = arr[(arr < 0) | (arr >= self.config.vocab_size)]
-        if bad.size:
-            raise ValueError(f"token ids out of range [0, {self.config.vocab_size}): {bad[:5].tolist()}")
-        return arr.tolist()
+        return list(checked_tokens(ids, self.config.vocab_size, pack=False)[0])
 
     def add_request(self, prompt: "str | list[int] | list[Segment]", params: SamplingParams | None = None,
                     request_id: str | None = None, namespace: str = "", policy: "str | Policy | None" = None,
@@ -133,8 +124,8 @@ class LLMEngine:
         pieces = []
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], Segment):
             pieces = resolve(prompt, self.encode, pol.name, require_tail=not extra.get("encode_only", False),
-                             check=self.check_ids)
-            ids = [t for p in pieces for t in p.tokens]
+                             check=functools.partial(checked_tokens, vocab_size=self.config.vocab_size))
+            ids = list(itertools.chain.from_iterable(p.tokens for p in pieces))
         else:
             ids = self.encode(prompt)
         if not ids:
@@ -167,12 +158,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.counters["preemptions"] += len(sched.preempted)
-        done_pins = [r for r in self.scheduler.running if r.encode_only and not any(t.todo for t in r.tasks)]
-        if not sched.chunks and done_pins:  # every segment was already cached: nothing to compute
-            for r in done_pins:
-                self._pin(r)
-            return [self._finish_output(r) for r in done_pins]
         if not sched.chunks:
+            done_pins = [r for r in self.scheduler.running if r.encode_only and not any(t.todo for t in r.tasks)]
+            if done_pins:  # every segment was already cached: nothing to compute
+                for r in done_pins:
+                    self._pin(r)
+                return [self._finish_output(r) for r in done_pins]
             if self.scheduler.waiting and not self.scheduler.running:
                 # Nothing runs and the head of the queue cannot be admitted: fail it rather than hang.
                 req = self.scheduler.waiting[0]
@@ -204,8 +195,9 @@ class LLMEngine:
             self.manager.snapshot_prompt_tail(req)
         req.output_token_ids.append(tok)
         req.logprobs.append(lp)
-        req.main.tokens.append(tok)
-        req.main.todo.append(len(req.main.tokens) - 1)
+        main = req.main
+        main.tokens.append(tok)
+        main.todo.append(len(main.tokens) - 1)
         self.counters["generation_tokens"] += 1
         p = req.params
         prev_len = len(req.text)
@@ -221,7 +213,7 @@ class LLMEngine:
             reason, req.stop_reason = "stop", s
         elif len(req.output_token_ids) >= p.max_tokens:
             reason = "length"
-        elif len(req.main.tokens) >= self.max_model_len:
+        elif len(main.tokens) >= self.max_model_len:
             reason = "length"
         if reason is not None:
             req.finish_reason = reason

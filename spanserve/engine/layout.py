@@ -2,8 +2,12 @@
 (`plus`), resolved to token pieces at contiguous logical positions."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import marshal
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+import numpy as np
 
 KINDS = ("cross", "plus")
 ANCHORS = ("none", "prefix")
@@ -40,47 +44,108 @@ class Piece:
     start: int
     anchor_len: int = 0
     key: str | None = None
+    # the tokens as int32 little-endian bytes, when resolve had them (validation packs them
+    # anyway): hashing and the pool's chain memo reuse them instead of converting again
+    packed: bytes | None = field(default=None, compare=False, repr=False)
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
 
 
+Checked = tuple[Sequence[int], "bytes | None"]  # (ids as exact ints, the same as int32 LE bytes)
+
+
+def _exact_int32(ids: list) -> np.ndarray | None:
+    """`ids` as int32 if every one is an exact int that fits, else None: one C pass that both
+    converts and checks types (numpy's conversion would need a second pass over the types).
+    marshal (format 2) writes a list as 5 header bytes then, for each exact int that fits in
+    32 bits, b"i" + 4 bytes LE; anything else takes another code or length (a bool is one byte,
+    a float nine, a numpy scalar a byte string, a bigger int b"l"...) or fails. So a dump of
+    exactly 5 + 5n bytes with b"i" at every 5th byte holds n such ints, by induction."""
+    try:
+        dump = marshal.dumps(ids, 2)
+    except (ValueError, RecursionError):
+        return None
+    n = len(ids)
+    if len(dump) != 5 + 5 * n:
+        return None
+    rows = np.frombuffer(dump, _MARSHAL_INT, n, offset=5)
+    if not (rows["code"] == ord("i")).all():
+        return None
+    return rows["value"].copy()
+
+
+_MARSHAL_INT = np.dtype([("code", "u1"), ("value", "<i4")])  # packed: 5 bytes
+
+
+def checked_tokens(ids: Sequence[int], vocab_size: int, pack: bool = True) -> tuple[tuple[int, ...], bytes | None]:
+    """Token ids as a tuple of ints, each in [0, vocab_size), and (if `pack`) the same as int32
+    LE bytes. Vectorized (layouts are long); a list of exact ints is copied, not rebuilt."""
+    arr = _exact_int32(ids) if type(ids) is list else None
+    exact = arr is not None
+    if arr is None:
+        try:
+            arr = np.asarray(ids, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError("token ids must be integers") from None
+        if arr.ndim != 1:
+            raise ValueError("token ids must be a flat list of integers")
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+        bad = arr[(arr < 0) | (arr >= vocab_size)]
+        raise ValueError(f"token ids out of range [0, {vocab_size}): {bad[:5].tolist()}")
+    # exact ints are what tolist() would make of them; floats, bools, numpy scalars are not
+    out = tuple(ids) if exact else tuple(arr.tolist())
+    return out, arr.astype("<i4", copy=False).tobytes() if pack else None
+
+
+def _joined(parts: Sequence[Checked]) -> tuple[tuple[int, ...], bytes | None]:
+    packs = [p for _, p in parts]
+    packed = b"".join(packs) if None not in packs else None  # type: ignore[arg-type]
+    return tuple(itertools.chain.from_iterable(t for t, _ in parts)), packed
+
+
 def resolve(segments: Sequence[Segment | str], encode: Callable[[str], list[int]], policy: str,
-            require_tail: bool = True, check: Callable[[Sequence[int]], list[int]] | None = None) -> list[Piece]:
-    """Tokenize and position the segments. `full` reads everything causally: one cross piece."""
+            require_tail: bool = True, check: Callable[[Sequence[int]], Checked] | None = None) -> list[Piece]:
+    """Tokenize and position the segments. `full` reads everything causally: one cross piece.
+    `check` validates token ids (see checked_tokens); without it they are only made ints."""
     segs = [Segment(text=s) if isinstance(s, str) else s for s in segments]
     if not segs:
         raise ValueError("a layout needs at least one segment")
-    toks: list[list[int]] = []
+    toks: list[Checked] = []
     for i, s in enumerate(segs):
         ids = s.token_ids
-        t = encode(s.text) if s.text is not None else (check(ids) if check else [int(x) for x in ids])  # type: ignore[arg-type]
-        if not t:
+        if s.text is not None:
+            t: Checked = (encode(s.text), None)
+        else:
+            t = check(ids) if check else ([int(x) for x in ids], None)  # type: ignore[union-attr]
+        if not t[0]:
             raise ValueError(f"segment {i} is empty; drop it or give it text")
         toks.append(t)
     if require_tail and segs[-1].kind != "cross":
         raise ValueError("a layout must end with a cross segment (the question or generation prompt), "
                          "which attends to everything before it")
     first_plus = next((i for i, s in enumerate(segs) if s.kind == "plus"), len(segs))
-    prefix_len = sum(len(t) for t in toks[:first_plus])
+    prefix_len = sum(len(t) for t, _ in toks[:first_plus])
     for i, s in enumerate(segs):
         if s.kind == "plus" and s.anchor == "prefix" and prefix_len == 0:
             raise ValueError(f"segment {i} has anchor='prefix' but the layout has no leading cross "
                              "segment to anchor on; use anchor='none' or put a cross segment first")
     if policy == "full" or first_plus == len(segs):
-        flat = tuple(x for t in toks for x in t)
-        return [Piece("cross", flat, 0)]
+        flat, packed = _joined(toks)
+        return [Piece("cross", flat, 0, packed=packed)]
     pieces: list[Piece] = []
     if prefix_len:  # leading cross segments merge: together they are exactly a plain prompt's prefix
-        pieces.append(Piece("cross", tuple(x for t in toks[:first_plus] for x in t), 0))
+        flat, packed = _joined(toks[:first_plus])
+        pieces.append(Piece("cross", flat, 0, packed=packed))
     pos = prefix_len
     for s, t in zip(segs[first_plus:], toks[first_plus:]):
         a = prefix_len if (s.kind == "plus" and s.anchor == "prefix") else 0
         if s.kind == "cross" and pieces and pieces[-1].kind == "cross":
             last = pieces[-1]
-            pieces[-1] = Piece("cross", last.tokens + tuple(t), last.start)
+            flat, packed = _joined([(last.tokens, last.packed), t])
+            pieces[-1] = Piece("cross", flat, last.start, packed=packed)
         else:
-            pieces.append(Piece(s.kind, tuple(t), pos, a, s.key))
-        pos += len(t)
+            pieces.append(Piece(s.kind, tuple(t[0]), pos, a, s.key, packed=t[1]))  # no copy of a tuple
+        pos += len(t[0])
     return pieces

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from spanserve.cache.block_pool import Block
-from spanserve.cache.table import Entry, delta_array, slot_array
+from spanserve.cache.table import Entry, Table, delta_array, slot_array
 from spanserve.engine.layout import Piece
 from spanserve.engine.sampling import SamplingParams, TokenLogprobs
 
@@ -29,7 +29,7 @@ class Task:
     so everything before todo[0] already has KV: perforated holes are just gaps in `todo`."""
 
     tokens: list[int]
-    entries: list[Entry]
+    entries: "list[Entry] | Table"  # the cache manager passes a Table (columns, built in bulk)
     todo: list[int]
     block_size: int
     sample: bool = False  # sample from the logits of the last position of `tokens`
@@ -54,7 +54,7 @@ class Task:
             self._deltas = delta_array(self.entries)
         return self._deltas
 
-    def set_entries(self, entries: list[Entry]) -> None:
+    def set_entries(self, entries: "list[Entry] | Table") -> None:
         self.entries = entries
         self._slots = None
         self._deltas = False

@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from spanserve.attention.backend import AttentionBackend
+from spanserve.attention.decode import DecodeRows
 from spanserve.attention.plan import AttentionPlan, HostRow, Row
 from spanserve.cache.storage import KVStorage
 from spanserve.engine.cuda_graphs import DecodeGraphs
@@ -53,6 +54,23 @@ def build_plan(chunks: list[Chunk], block_size: int, device: torch.device) -> tu
     return torch.from_numpy(flat_ids).to(device), plan, sample_at
 
 
+def decode_rows(chunks: list[Chunk]) -> tuple[DecodeRows, list[int]] | None:
+    """The step as host arrays when every chunk is one causal query with nothing to recompute
+    (what a decode graph replays), with build_plan's sample_at; None for any other step."""
+    ids, pos, slots, deltas, sample_at = [], [], [], [], []
+    for b, c in enumerate(chunks):
+        t = c.task
+        if len(c.positions) != 1 or c.recompute is not None or t.anchor_end is not None or t.seg_start is not None:
+            return None
+        p = c.positions[0]
+        ids.append(t.tokens[p])
+        pos.append(p)
+        slots.append(t.slots)
+        deltas.append(t.deltas)
+        sample_at.append(b if t.sample and p == len(t.tokens) - 1 else -1)
+    return DecodeRows(ids, pos, slots, deltas), sample_at
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, storage: KVStorage, backend: AttentionBackend,
                  graphs: "bool | str" = "auto"):
@@ -89,18 +107,29 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
         """Logits [n_sampled, vocab] (float32) and, per chunk, its row in them or -1."""
+        if self.graphs is not None:
+            # Decode-only steps skip the general plan: their fixed buffers are filled from host
+            # arrays in one copy (on a GPU the host work is what the step waits for).
+            dec = decode_rows(chunks)
+            if dec is not None:
+                hidden = self.graphs.run(dec[0])
+                if hidden is not None:
+                    return self._logits(hidden, dec[1])
         ids, plan, sample_at = build_plan(chunks, self.storage.block_size, self.model.device)
         rows = self._recompute_rows(chunks, plan)
         hooks = Recompute(rows, ids.numel(), self.model.rotary, self.storage.block_size) if rows else None
-        hidden = None
-        if self.graphs is not None and hooks is None:
-            hidden = self.graphs.run(ids, plan)
-        if hidden is None:
-            hidden = self.model.forward(ids, plan, self.backend, self.k_caches, self.v_caches, hooks)
+        hidden = self.model.forward(ids, plan, self.backend, self.k_caches, self.v_caches, hooks)
         for c, r in zip([c for c in chunks if c.recompute is not None], rows):
             c.request.recompute_stats = r.stats
+        return self._logits(hidden, sample_at)
+
+    def _logits(self, hidden: torch.Tensor, sample_at: list[int]) -> tuple[torch.Tensor, list[int]]:
         picks = [i for i in sample_at if i >= 0]
-        logits = self.model.logits(hidden[torch.tensor(picks, dtype=torch.long, device=hidden.device)])
+        if not picks or picks[-1] - picks[0] == len(picks) - 1:  # consecutive (every decode row): a view
+            hidden = hidden[picks[0]:picks[-1] + 1] if picks else hidden[:0]
+        else:  # an index tensor: one more host-to-device copy
+            hidden = hidden[torch.tensor(picks, dtype=torch.long, device=hidden.device)]
+        logits = self.model.logits(hidden)
         rows, k = [], 0
         for i in sample_at:
             rows.append(k if i >= 0 else -1)

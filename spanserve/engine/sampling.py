@@ -253,7 +253,10 @@ class Sampler:
         tokens = [0] * batch
 
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        if greedy_rows:
+        if greedy_rows and len(greedy_rows) == batch:
+            # the whole batch: indexing by a list of rows would copy that list to the device
+            tokens = logits.argmax(dim=-1).tolist()
+        elif greedy_rows:
             picked = logits[greedy_rows].argmax(dim=-1).tolist()
             for i, t in zip(greedy_rows, picked):
                 tokens[i] = t

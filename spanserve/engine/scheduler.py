@@ -65,6 +65,8 @@ class Scheduler:
     def _take(self, req: Request, budget: int, out: Schedule) -> int:
         used = 0
         for task in req.tasks:
+            if not task.todo:  # done (a decoding request's segment tasks all are)
+                continue
             if used >= budget:
                 break
             n = min(len(task.todo), budget - used)

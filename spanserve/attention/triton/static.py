@@ -1,41 +1,72 @@
 """Fixed-address decode layouts, so a decode step can be captured once as a CUDA graph and replayed.
 
 A graph replays kernel launches with the pointers and grid sizes seen at capture. Per step only the
-*contents* of the layout change (slots, positions, tile ranges), so each batch size gets device
-buffers at fixed addresses that every step's layout is copied into; the grid is one program per
-decode row, which a batch size fixes. Capacity for keys and tiles grows by doubling; a growth moves
-the buffers, and the caller must capture again (`load` says so).
+*contents* of the layout change (ids, slots, positions, tile ranges), so each batch size gets one
+device staging buffer whose views are the fixed-address tensors the graph reads; the grid is one
+program per decode row, which a batch size fixes. A step packs its contents on the host
+(`decode_layout`) into a pinned buffer laid out like the staging buffer and sends them in one
+non-blocking copy: no per-row device tensors, no device-to-device copies. Capacity for keys and
+tiles grows by doubling; a growth moves the buffers, and the caller must capture again (`load`
+says so).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from spanserve.attention.triton.layout import NUM_FIELDS, Launch, StepLayout, empty_launch
+from spanserve.attention.decode import DecodeRows
+from spanserve.attention.triton.decode_layout import HostArrays, Packed, Regions, decode_spans, write_step
+from spanserve.attention.triton.layout import Launch, StepLayout, empty_launch
 
 
 class StaticDecode:
     def __init__(self, batch: int, inv_freq: torch.Tensor, device: torch.device, capacity: int = 1 << 14):
         self.batch = batch
-        self.device = device
+        self.device = torch.device(device)
         self.inv_freq = inv_freq
-        self.capacity = 0
-        i32 = dict(dtype=torch.int32, device=device)
-        self.write_slots = torch.zeros(batch, dtype=torch.long, device=device)
-        self.q_pos = torch.zeros(batch, **i32)
-        self.zeros = torch.zeros(batch, **i32)  # anchor / seg: decode rows are causal
-        self.desc = torch.zeros(batch, NUM_FIELDS, **i32)
-        self._grow(capacity)
+        self.capacity = 0  # keys
+        self.tile_capacity = 0
+        self._cuda = self.device.type == "cuda"
+        self._grow(capacity, max(4, capacity // 16))  # tiles: keys / BLOCK_N plus a span's partial tile
 
-    def _grow(self, need: int) -> None:
-        cap = max(self.capacity, 64)
-        while cap < need:
-            cap *= 2
-        if cap == self.capacity:
-            return
-        self.capacity = cap
-        self.key_slots = torch.zeros(cap, dtype=torch.int32, device=self.device)
-        # tiles never outnumber keys (each holds at least one)
-        self.tiles = torch.zeros(3, cap, dtype=torch.int32, device=self.device)
+    def _grow(self, keys: int, tiles: int) -> bool:
+        """Make room for this many keys and tiles; True when the buffers moved."""
+        if keys <= self.capacity and tiles <= self.tile_capacity:
+            return False
+
+        def fit(cap: int, need: int) -> int:
+            cap = max(cap, 4)
+            while cap < need:
+                cap *= 2
+            return cap
+
+        kc, tc = fit(self.capacity, keys), fit(self.tile_capacity, tiles)
+        self.capacity, self.tile_capacity = kc, tc
+        self.regions = Regions(self.batch, kc, tc)
+        self.dev = Packed.allocate(self.regions, self.device)
+        # Two host buffers taken in turn: one may still feed the previous step's copy while the
+        # other is written. The old ones may be freed with a copy in flight: torch's pinned-memory
+        # allocator holds freed blocks until the copies that read them have completed.
+        self._host = [Packed.allocate(self.regions, torch.device("cpu"), pin=self._cuda) for _ in range(2)]
+        self._arrays = [HostArrays.of(h) for h in self._host]
+        self._index = np.arange(kc, dtype=np.int32)  # tile starts are strided slices of it
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self._unfenced: int | None = None
+        self._layouts: dict[bool, StepLayout] = {}
+        return True
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.dev.ids
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.dev.positions
+
+    @property
+    def write_slots(self) -> torch.Tensor:
+        return self.dev.write_slots
 
     @staticmethod
     def eligible(lay: StepLayout, small: Launch, big: Launch) -> bool:
@@ -43,24 +74,43 @@ class StaticDecode:
         return (big.desc.shape[0] == 0 and not lay.has_plus and small.prerotation is None
                 and small.desc.shape[0] == lay.q_pos.numel())
 
-    def load(self, lay: StepLayout, small: Launch) -> tuple[StepLayout, bool]:
-        """Copy one step's decode layout into the fixed buffers (device-to-device, no sync).
-        Returns the fixed-address layout and whether the buffers moved (captured graphs that
-        read them are stale)."""
-        B = self.batch
-        if lay.q_pos.numel() != B:
-            raise ValueError(f"this static layout holds {B} decode rows, the step has {lay.q_pos.numel()}")
-        n_keys, n_tiles = lay.key_slots.numel(), small.tile_start.numel()
-        old = self.capacity
-        self._grow(max(n_keys, n_tiles))
-        self.write_slots.copy_(lay.write_slots, non_blocking=True)
-        self.q_pos.copy_(lay.q_pos, non_blocking=True)
-        self.desc.copy_(small.desc, non_blocking=True)
-        self.key_slots[:n_keys].copy_(lay.key_slots, non_blocking=True)
-        for i, t in enumerate((small.tile_start, small.tile_end, small.tile_delta)):
-            self.tiles[i, :n_tiles].copy_(t, non_blocking=True)
-        fixed = Launch(self.desc, self.tiles[0], self.tiles[1], self.tiles[2], small.fused_delta, None)
-        static = StepLayout(write_slots=self.write_slots, key_slots=self.key_slots, q_pos=self.q_pos,
-                            anchor=self.zeros, seg=self.zeros, inv_freq=self.inv_freq, has_delta=small.fused_delta,
-                            has_plus=False, rows=[], fixed=(fixed, empty_launch(self.device)))
-        return static, self.capacity != old
+    def load(self, rows: DecodeRows, block_n: int) -> tuple[StepLayout, bool]:
+        """Send one decode step into the fixed buffers (one host-to-device copy, no sync).
+        Returns the fixed-address layout and whether the buffers moved (captured graphs that read
+        them are stale). `block_n`: keys per tile of the decode launch. Call `fence` once the
+        step's kernels are queued."""
+        if len(rows) != self.batch:
+            raise ValueError(f"this static layout holds {self.batch} decode rows, the step has {len(rows)}")
+        spans = decode_spans(rows, block_n)
+        moved = self._grow(spans.total_keys, spans.total_tiles)
+        self.fence()  # in case the last step's caller did not
+        i = self._turn
+        self._turn ^= 1
+        done = self._copied[i]
+        if done is not None:
+            done.synchronize()  # the step that last read this buffer (normally long finished)
+        fused = write_step(self._arrays[i], rows, spans, block_n, self._index)
+        n = self.regions.used_bytes(spans.total_keys)
+        self.dev.buf[:n].copy_(self._host[i].buf[:n], non_blocking=True)
+        self._unfenced = i
+        return self._layout(fused), moved
+
+    def fence(self) -> None:
+        """Mark where the work reading the last loaded host buffer ends, so it is not overwritten
+        before. Called after the launches, the event costs no time the GPU waits for."""
+        i, self._unfenced = self._unfenced, None
+        if i is None or not self._cuda:
+            return
+        if self._copied[i] is None:
+            self._copied[i] = torch.cuda.Event()
+        self._copied[i].record()
+
+    def _layout(self, fused: bool) -> StepLayout:
+        if fused not in self._layouts:
+            d = self.dev
+            launch = Launch(d.desc, d.tile_start, d.tile_end, d.tile_delta, fused, None)
+            self._layouts[fused] = StepLayout(
+                write_slots=d.write_slots, key_slots=d.key_slots, q_pos=d.q_pos, anchor=d.zeros, seg=d.zeros,
+                inv_freq=self.inv_freq, has_delta=fused, has_plus=False, rows=[],
+                fixed=(launch, empty_launch(self.device)))
+        return self._layouts[fused]

@@ -1,0 +1,177 @@
+"""Decode-only steps straight from host arrays into one packed buffer.
+
+A step whose rows are all single-query causal decodes needs none of the general layout machinery
+(`build_layout` + `_describe`, per-row device tensors): each row's descriptor and tiles follow from
+its position, slot list and per-key deltas. They are written here with numpy into a host buffer
+laid out byte for byte like the device buffer a captured graph reads, so the whole step input is
+one host-to-device copy. The contents equal what `build_layout` + `_describe` give for the same
+rows (tests/test_decode_graphs.py checks it): spans of equal delta, tiles of at most BLOCK_N keys
+that never cross a span, longest programs first.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from spanserve.attention.decode import DecodeRows
+from spanserve.attention.triton.layout import (F_KEY_BASE, F_LOC0, F_MIN_T, F_PART0, F_TOK0, F_TOK1,
+                                               NUM_FIELDS)
+
+_ALIGN = 64  # bytes between region starts: Triton specializes kernels on 16-byte-aligned pointers
+
+
+@dataclass
+class DecodeSpans:
+    """Each row's keys cut into spans of equal delta (a row without deltas is one span); a span of
+    L keys gets ceil(L / BLOCK_N) tiles, the last one partial. Plain lists: a decode step has a
+    handful of rows and spans, where Python arithmetic costs less than numpy calls."""
+
+    n_keys: list[int]  # per row
+    start: list[int]  # per span: first key, in its row (rows' spans are consecutive, in row order)
+    end: list[int]
+    delta: list[int]
+    tiles: list[int]
+    row_tiles: list[int]  # per row
+
+    @property
+    def total_keys(self) -> int:
+        return sum(self.n_keys)
+
+    @property
+    def total_tiles(self) -> int:
+        return sum(self.row_tiles)
+
+
+def decode_spans(rows: DecodeRows, block_n: int) -> DecodeSpans:
+    out = DecodeSpans([], [], [], [], [], [])
+    for p, d in zip(rows.pos, rows.deltas):
+        n = p + 1
+        if d is None:
+            start, end, delta = [0], [n], [0]
+        else:
+            d = d[:n]
+            cut = (np.flatnonzero(d[1:] != d[:-1]) + 1).tolist()
+            start, end = [0, *cut], [*cut, n]
+            delta = d[start].tolist()
+        tiles = [(e - s + block_n - 1) // block_n for s, e in zip(start, end)]
+        out.n_keys.append(n)
+        out.start += start
+        out.end += end
+        out.delta += delta
+        out.tiles += tiles
+        out.row_tiles.append(sum(tiles))
+    return out
+
+
+def descriptors(spans: DecodeSpans, pos: list[int]) -> list[list[int]]:
+    """One descriptor (NUM_FIELDS ints) per row, longest first: part 0 (the anchor prefix) is
+    empty for causal rows, part 1 is all the row's keys and tiles."""
+    out = []
+    key_base = t0 = 0
+    for b, (n, nt) in enumerate(zip(spans.n_keys, spans.row_tiles)):
+        d = [0] * NUM_FIELDS
+        d[F_TOK0], d[F_TOK1], d[F_KEY_BASE], d[F_MIN_T], d[F_LOC0] = b, b + 1, key_base, pos[b], b
+        d[F_PART0 + 2] = d[F_PART0 + 3] = d[F_PART0 + 6] = t0
+        d[F_PART0 + 5], d[F_PART0 + 7] = n, t0 + nt
+        out.append(d)
+        key_base += n
+        t0 += nt
+    out.sort(key=lambda d: d[F_PART0 + 6] - d[F_PART0 + 7])  # stable: equal rows keep their order
+    return out
+
+
+class Regions:
+    """Byte offsets of the packed step input; the device staging buffer and the host buffers that
+    fill it share this layout. Fixed-size fields first, then the tiles, then the key slots, so a
+    step copies one prefix (whole tile arrays, only the keys in use)."""
+
+    def __init__(self, batch: int, key_cap: int, tile_cap: int):
+        self.batch, self.key_cap, self.tile_cap = batch, key_cap, tile_cap
+        B, T, i64, i32 = batch, tile_cap, torch.int64, torch.int32
+        fields = [("ids", i64, (B,)), ("positions", i64, (B,)), ("write_slots", i64, (B,)),
+                  ("q_pos", i32, (B,)), ("zeros", i32, (B,)), ("desc", i32, (B, NUM_FIELDS)),
+                  ("tile_start", i32, (T,)), ("tile_end", i32, (T,)), ("tile_delta", i32, (T,)),
+                  ("key_slots", i32, (key_cap,))]
+        self.offsets: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+        off = 0
+        for name, dt, shape in fields:
+            self.offsets[name] = (off, dt, shape)
+            off += -(-int(np.prod(shape)) * dt.itemsize // _ALIGN) * _ALIGN
+        self.keys_offset = self.offsets["key_slots"][0]
+        self.nbytes = self.keys_offset + 4 * key_cap
+
+    def used_bytes(self, n_keys: int) -> int:
+        return self.keys_offset + 4 * n_keys
+
+
+@dataclass
+class Packed:
+    """Typed views of one packed buffer (uint8 [nbytes]): the tensors a graph reads, or on the
+    host the arrays a step writes (`numpy()` of a CPU buffer)."""
+
+    buf: torch.Tensor
+    ids: torch.Tensor
+    positions: torch.Tensor
+    write_slots: torch.Tensor
+    q_pos: torch.Tensor
+    zeros: torch.Tensor  # anchor and seg of every row: decode rows are causal
+    desc: torch.Tensor
+    tile_start: torch.Tensor
+    tile_end: torch.Tensor
+    tile_delta: torch.Tensor
+    key_slots: torch.Tensor
+
+    @classmethod
+    def carve(cls, buf: torch.Tensor, regions: Regions) -> "Packed":
+        views = {name: buf[off:off + int(np.prod(shape)) * dt.itemsize].view(dt).view(shape)
+                 for name, (off, dt, shape) in regions.offsets.items()}
+        return cls(buf=buf, **views)
+
+    @classmethod
+    def allocate(cls, regions: Regions, device: torch.device, pin: bool = False) -> "Packed":
+        return cls.carve(torch.zeros(regions.nbytes, dtype=torch.uint8, device=device, pin_memory=pin), regions)
+
+
+@dataclass
+class HostArrays:
+    """numpy views of a host Packed buffer (writing through numpy costs no torch dispatch)."""
+
+    ids: np.ndarray
+    positions: np.ndarray
+    write_slots: np.ndarray
+    q_pos: np.ndarray
+    desc: np.ndarray
+    tile_start: np.ndarray
+    tile_end: np.ndarray
+    tile_delta: np.ndarray
+    key_slots: np.ndarray
+
+    @classmethod
+    def of(cls, p: Packed) -> "HostArrays":
+        return cls(**{f: getattr(p, f).numpy() for f in cls.__dataclass_fields__})
+
+
+def write_step(host: HostArrays, rows: DecodeRows, spans: DecodeSpans, block_n: int, index: np.ndarray) -> bool:
+    """Fill a host buffer with one step; returns whether some tile rotates (fused delta).
+    `index`: arange of at least the longest row's keys (int32), which tile starts are slices of."""
+    host.ids[:] = rows.ids
+    host.positions[:] = rows.pos
+    host.q_pos[:] = rows.pos
+    host.write_slots[:] = [int(s[p]) for s, p in zip(rows.slots, rows.pos)]
+    host.desc[:] = descriptors(spans, rows.pos)
+    # tile k of a span starts at span start + k * BLOCK_N; all but a span's last end BLOCK_N later
+    n = spans.total_tiles
+    ts, te = host.tile_start[:n], host.tile_end[:n]
+    np.concatenate([index[s:e:block_n] for s, e in zip(spans.start, spans.end)], out=ts)
+    np.add(ts, block_n, out=te)
+    te[list(itertools.accumulate(spans.tiles, initial=-1))[1:]] = spans.end
+    fused = any(spans.delta)
+    host.tile_delta[:n] = np.repeat(spans.delta, spans.tiles) if fused else 0
+    base = 0
+    for s, k in zip(rows.slots, spans.n_keys):
+        host.key_slots[base:base + k] = s[:k]
+        base += k
+    return fused
