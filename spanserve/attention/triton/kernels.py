@@ -37,7 +37,7 @@ def attention_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_FIELDS: tl.constexpr, HAS_DELTA: tl.constexpr, KEEP_Q: tl.constexpr,
     K_SCRATCH: tl.constexpr, HAS_PLUS: tl.constexpr, PREC: tl.constexpr,
-    SPLIT: tl.constexpr, DELTA_AHEAD: tl.constexpr = False,
+    SPLIT: tl.constexpr,
 ):
     """One program: up to BLOCK_M // G query tokens of one row times the G query heads that share
     KV head `program_id(1)`, packed along M so every K/V tile is loaded once for all G heads.
@@ -100,8 +100,6 @@ def attention_kernel(
             else:
                 f_lo = tl.maximum(klo, tl.load(desc + F_MAX_SEG))
                 f_hi = min_t + 1
-            if HAS_DELTA and DELTA_AHEAD:
-                dl_next = tl.load(tile_delta_ptr + j_lo, mask=j_lo < j_hi, other=0)
             for j in range(j_lo, j_hi):
                 k0 = tl.maximum(tl.load(tile_start_ptr + j), klo)
                 k1 = tl.minimum(tl.load(tile_end_ptr + j), khi)
@@ -118,13 +116,7 @@ def attention_kernel(
                     k_ptrs = k_cache_ptr + slot[:, None] * stride_cs + kv_col[None, :]
                 kt = tl.load(k_ptrs, mask=kin[:, None], other=0.0)
                 if HAS_DELTA:
-                    if DELTA_AHEAD:
-                        # Next tile's delta loaded one iteration early: the scalar load is then
-                        # off the path from the loop head to the rotation test.
-                        dl = dl_next
-                        dl_next = tl.load(tile_delta_ptr + j + 1, mask=j + 1 < j_hi, other=0)
-                    else:
-                        dl = tl.load(tile_delta_ptr + j)
+                    dl = tl.load(tile_delta_ptr + j)
                     if dl != cur:
                         # A new span: rotate the queries once for all of its tiles.
                         ang = dl.to(tl.float32) * freq
