@@ -104,6 +104,24 @@ def phases(eng: LLMEngine, make: Callable[[], list[Segment]], label: str, report
             "table": table}
 
 
+def cprofiled(eng: LLMEngine, make: Callable[[], list[Segment]], label: str) -> str:
+    import cProfile
+    import io
+    import pstats
+    ttft(eng, make())
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    t = ttft(eng, make())
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+    text = buf.getvalue()
+    print(f"== cProfile of one {label} request (TTFT {t * 1e3:.1f} ms under the profiler)\n{text[-5500:]}", flush=True)
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=32)
@@ -113,6 +131,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--out", default="gpu_warm.json")
     ap.add_argument("--dry", action="store_true")
+    ap.add_argument("--skip-variants", action="store_true")
+    ap.add_argument("--cprofile", action="store_true", help="also a cProfile of one request of each kind")
     args = ap.parse_args()
     cfg, dev, dtype = llama3_8b_config(), "cuda", torch.bfloat16
     if args.dry:
@@ -150,9 +170,13 @@ def main() -> None:
 
     rows: list = []
     res: dict[str, Any] = {"args": vars(args)}
-    res["rag_variants_s"] = compare(eng, rag, args.runs, f"warm RAG N={args.n}", rows)
-    res["judge_variants_s"] = compare(eng, judge, args.runs, f"judge F={args.fanout}x{args.inner}", rows)
-    print(format_table(["request", "attention", "TTFT median", "vs no split"], rows), flush=True)
+    if not args.skip_variants:
+        res["rag_variants_s"] = compare(eng, rag, args.runs, f"warm RAG N={args.n}", rows)
+        res["judge_variants_s"] = compare(eng, judge, args.runs, f"judge F={args.fanout}x{args.inner}", rows)
+        print(format_table(["request", "attention", "TTFT median", "vs no split"], rows), flush=True)
+    if args.cprofile:
+        for name, make in (("rag", rag), ("judge", judge)):
+            res[f"{name}_cprofile"] = cprofiled(eng, make, name)
     for obj, name, label in ((LLMEngine, "add_request", "add_request"), (manager_mod.CacheManager, "admit", "admit"),
                              (runner_mod, "build_plan", "build_plan"), (runner_mod.ModelRunner, "run", "runner.run")):
         timed_phase(obj, name, label, sync=name == "run")

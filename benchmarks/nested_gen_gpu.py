@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None, help="file under benchmarks/results/ (default nested_gen_gpu.json)")
+    ap.add_argument("--phases", action="store_true", help="print where each judge's TTFT went")
     args = ap.parse_args()
     dev = args.device
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -46,6 +47,7 @@ def main() -> None:
         backend = TritonBackend()
     llm = LLM(model, device=dev, dtype=str(dtype).removeprefix("torch."), num_blocks=12000 if dev == "cuda" else 4000,
               max_num_batched_tokens=16384, backend=backend)
+    events = trace_phases(llm) if args.phases else None
     rows, results = [], []
     task = "the cat sat on the mat and the dog ran on the mat " * 3
     for f in [int(x) for x in args.fanouts.split(",")]:
@@ -56,6 +58,8 @@ def main() -> None:
             ex = Executor(EngineRunner(llm.engine), llm.tokenizer, seed=r)
             out = ex.execute(q)
             judge = out.outputs[()]
+            if events is not None:
+                print(f"judge {r}: " + judge_phases(events, judge.request_id), flush=True)
             # stock: the same judge prompt (same inner texts) as one causal prompt
             flat = llm.engine.add_request(list(judge.prompt_token_ids), SamplingParams(max_tokens=2, ignore_eos=True),
                                           namespace="stock")
@@ -75,6 +79,48 @@ def main() -> None:
     print(format_table(["fan-out", "judge prompt", "segment hits", "stock ms", "span ms", "speedup"], rows))
     write_json(args.out or ("nested_gen_gpu.json" if dev == "cuda" else "nested_gen_gpu_dry.json"),
                {"args": vars(args), "results": results})
+
+
+def trace_phases(llm: LLM) -> dict:
+    """Wall-clock marks (device-synced) of every request's arrival, admission and model step."""
+    import time
+
+    eng = llm.engine
+    events: dict = {"req": {}, "admit": {}, "run": []}
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    add, admit, run = eng.add_request, eng.manager.admit, eng.runner.run
+
+    def add_request(*a, **k):
+        req = add(*a, **k)
+        events["req"][req.request_id] = req
+        return req
+
+    def admit_(req):
+        t0 = time.monotonic()
+        ok = admit(req)
+        events["admit"][req.request_id] = (t0, time.monotonic())
+        return ok
+
+    def run_(chunks):
+        t0 = time.monotonic()
+        out = run(chunks)
+        sync()
+        events["run"].append((t0, time.monotonic(), sum(len(c.positions) for c in chunks),
+                              {c.request.request_id for c in chunks}))
+        return out
+
+    eng.add_request, eng.manager.admit, eng.runner.run = add_request, admit_, run_
+    return events
+
+
+def judge_phases(events: dict, rid: str) -> str:
+    req = events["req"][rid]
+    a0, a1 = events["admit"][rid]
+    r0, r1, n, _ = next(e for e in events["run"] if rid in e[3])
+    ms = lambda x: f"{x * 1e3:.1f}"  # noqa: E731
+    return (f"arrival->admit {ms(a0 - req.arrival_time)} ms, admit {ms(a1 - a0)}, admit->run {ms(r0 - a1)}, "
+            f"run ({n} tokens, synced) {ms(r1 - r0)}, run->first token {ms(req.first_token_time - r1)}, "
+            f"ttft {ms(req.first_token_time - req.arrival_time)}")
 
 
 if __name__ == "__main__":
