@@ -149,12 +149,16 @@ class LlamaModel:
             T = hx.shape[0]
             x = ops.rms_norm(hx, L.input_norm, c.rms_norm_eps)
             qkv = F.linear(x, L.qkv, L.qkv_bias)
-            q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
-            q, k, v = q.view(T, H, D), k.view(T, KVH, D), v.view(T, KVH, D)
+            v = qkv[:, (H + KVH) * D:].view(T, KVH, D)  # a strided view: the KV write takes it as is
             if L.q_norm is not None:
-                q = ops.rms_norm(q, L.q_norm, c.rms_norm_eps)
-                k = ops.rms_norm(k, L.k_norm, c.rms_norm_eps)
-            q, k, v = ops.rotary(q, cos, sin), ops.rotary(k, cos, sin), v.contiguous()
+                q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
+                q = ops.rotary(ops.rms_norm(q, L.q_norm, c.rms_norm_eps), cos, sin)
+                k = ops.rotary(ops.rms_norm(k, L.k_norm, c.rms_norm_eps), cos, sin)
+            else:
+                # Q and K are adjacent columns of qkv: rotate them as one [T, H + KVH, D] tensor,
+                # one launch instead of two (small steps are launch-bound on a GPU).
+                qk = ops.rotary(qkv[:, :(H + KVH) * D].view(T, H + KVH, D), cos, sin)
+                q, k = qk[:, :H], qk[:, H:]
             backend.write(prepared, k, v, k_caches[i], v_caches[i])
             if hooks is not None:
                 hooks.after_write(i, q, k, v, idx, k_caches[i], v_caches[i])
