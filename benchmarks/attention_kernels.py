@@ -202,7 +202,6 @@ MODES: dict[str, tuple[str, tuple[int, int], bool, bool]] = {
     "seg fused": ("seg", (300, 700), False, False),
     "delta-kernel zero": ("zero", (300, 700), False, True),
     "zero copied": ("zero", (300, 700), True, False),
-    "seg reread": ("seg", (300, 700), True, False),  # decode: Q re-read at each span, not kept
 }
 
 
@@ -220,8 +219,6 @@ def time_rows(label: str, rows_by_mode: dict[str, list[Row]], cfgs: list[LaunchC
             pre = MODES[m][2]
             tb = TritonBackend(decode=cfg, prerotate_prefill=pre) if decode else TritonBackend(prefill=cfg, prerotate_prefill=pre)
             lay = tb.prepare(plan_for(rs), ROT, BS)
-            if m == "seg reread":
-                tb.keep_q_rows = 0
             if m == "zero copied":
                 lay.has_delta = True  # take the prerotation path although every delta is 0
             tb.attend(lay, q, kc, vc)  # builds the launches
@@ -313,7 +310,7 @@ def time_split() -> None:
 
 
 def time_decode() -> None:
-    modes = ("zero", "seg", "seg reread", "seg4k", "block", "delta-kernel zero")
+    modes = ("zero", "seg", "seg4k", "block", "delta-kernel zero")
     for batch, ctx in DECODE_SETS:
         rng = random.Random(5)
         lens = [ctx + rng.randint(-ctx // 16, ctx // 16) for _ in range(batch)]

@@ -54,7 +54,6 @@ class TritonBackend(AttentionBackend):
         self.decode_cfg = decode
         self.prerotate_prefill = prerotate_prefill
         self.split_programs = split_programs
-        self.keep_q_rows = _KEEP_Q_ROWS
 
     def prepare(self, plan: AttentionPlan, rotary: Rotary, block_size: int) -> StepLayout:
         return build_layout(plan, rotary.inv_freq)
@@ -102,7 +101,7 @@ class TritonBackend(AttentionBackend):
                 if launch.prerotation is not None:
                     scratch = rotate_keys(k_cache, launch.prerotation, prepared.inv_freq)
                 _launch_attention(prepared, launch, cfg, bm, q, k_cache if scratch is None else scratch,
-                                  v_cache, out, G, bm <= self.keep_q_rows)
+                                  v_cache, out, G)
                 del scratch
         return out
 
@@ -119,7 +118,7 @@ def _sm_count(dev: torch.device) -> int:
 
 def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_m: int,
                       q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      out: torch.Tensor, G: int, keep_q: bool) -> None:
+                      out: torch.Tensor, G: int) -> None:
     T, H, D = q.shape
     KVH = k_cache.shape[2]
     if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -144,7 +143,7 @@ def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_
         q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), out.stride(0), n_loc, H,
         qk_scale,
         G=G, D=D, BLOCK_M=block_m, BLOCK_N=cfg.block_n, NUM_FIELDS=NUM_FIELDS,
-        HAS_DELTA=launch.fused_delta, KEEP_Q=keep_q, K_SCRATCH=pre is not None,
+        HAS_DELTA=launch.fused_delta, KEEP_Q=block_m <= _KEEP_Q_ROWS, K_SCRATCH=pre is not None,
         HAS_PLUS=lay.has_plus, PREC=prec, SPLIT=launch.split > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
