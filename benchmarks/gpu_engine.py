@@ -136,6 +136,15 @@ def check_graphs(model, rows: list) -> None:
     rows.append(("8B greedy tokens, CUDA-graph decode == eager", f"{replays} replays", toks["graphs"] == toks["eager"]))
 
 
+def synced_step(eng: LLMEngine) -> float:
+    """Seconds of one engine step with the device idle before and after it."""
+    sync()
+    t0 = time.perf_counter()
+    eng.step()
+    sync()
+    return time.perf_counter() - t0
+
+
 def prefill_and_decode(model, n_prefill: int, steps: int, peak_tflops: float, bw: float, rows: list) -> dict:
     c = model.config
     eng = LLMEngine(model, device=DEV, dtype="bfloat16", max_num_batched_tokens=n_prefill + 16,
@@ -145,29 +154,20 @@ def prefill_and_decode(model, n_prefill: int, steps: int, peak_tflops: float, bw
     for i in range(3):
         toks = torch.randint(3, 128000, (n_prefill,), generator=gen).tolist()
         eng.add_request(toks, SamplingParams(max_tokens=1))
-        sync()
-        t0 = time.perf_counter()
-        eng.step()
-        sync()
-        times.append(time.perf_counter() - t0)
+        times.append(synced_step(eng))
     t = median(times[1:])
     matmul_params = sum(v.numel() for k, v in model.weights.items() if k.endswith("proj.weight")) + c.vocab_size * c.hidden_size / n_prefill
     attn = 2 * 2 * c.num_layers * c.num_heads * c.head_dim * n_prefill * n_prefill / 2
     flops = 2 * matmul_params * n_prefill + attn
     achieved = flops / t / 1e12
     rows.append((f"prefill {n_prefill} plain tokens", f"{t * 1e3:.1f} ms", f"{achieved:.0f} TFLOP/s = {achieved / peak_tflops:.0%} of peak"))
-    # decode at batch 1
     # Decode at batch 1, two ways: each step between device syncs (host and device strictly in
     # series), and the inter-token latency of an uninterrupted run of steps (what a user sees;
     # the engine itself syncs once per step to read the sampled token).
     eng.add_request(torch.randint(3, 128000, (512,), generator=gen).tolist(), SamplingParams(max_tokens=steps + 4, ignore_eos=True))
     step_t = []
     while eng.has_unfinished():
-        sync()
-        t0 = time.perf_counter()
-        eng.step()
-        sync()
-        step_t.append(time.perf_counter() - t0)
+        step_t.append(synced_step(eng))
     d = median(step_t[3:])
     loops = []
     for _ in range(3):
