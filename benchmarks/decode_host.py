@@ -37,6 +37,7 @@ from host_profile import tiny_config  # noqa: E402
 from spanserve.attention.plan import AttentionPlan  # noqa: E402
 from spanserve.attention.triton import TritonBackend  # noqa: E402
 from spanserve.attention.triton.layout import NUM_FIELDS, Launch, StepLayout, empty_launch  # noqa: E402
+from spanserve.attention.triton.static import StaticDecode  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
 from spanserve.engine.request import Task  # noqa: E402
@@ -94,7 +95,7 @@ class OldRoute:
         c = r.model.config
         lay = r.backend.prepare(plan, r.model.rotary, r.storage.block_size)
         small, big = r.backend.launches(lay, c.num_heads // c.num_kv_heads)
-        assert type(r.backend).static_eligible(lay, small, big)
+        assert StaticDecode.eligible(lay, small, big)
         static = self._load(ids, plan, lay, small)
         AttentionPlan(rows=[], positions=static.q_pos, write_slots=static.write_slots)  # built per step, as it was
         hidden = self.forward(ids.numel())

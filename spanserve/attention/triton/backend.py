@@ -72,8 +72,6 @@ class TritonBackend(AttentionBackend):
             target = 2 * _sm_count(dev) if dev.type == "cuda" else 0
         return SplitPolicy(-(-target // kvh)) if target else None
 
-    static_eligible = staticmethod(StaticDecode.eligible)
-
     def static_decode(self, batch: int, inv_freq: torch.Tensor, device: torch.device,
                       capacity: int = 1 << 14) -> StaticDecode:
         return StaticDecode(batch, inv_freq.to(device=device, dtype=torch.float32).contiguous(), device, capacity)

@@ -216,13 +216,17 @@ def empty_launch(dev: torch.device) -> Launch:
     return _EMPTY[dev]
 
 
+def _tile_counts(desc: np.ndarray) -> np.ndarray:
+    """Tiles each descriptor visits, both parts."""
+    return (desc[:, F_PART0 + 3] - desc[:, F_PART0 + 2]) + (desc[:, F_PART0 + 7] - desc[:, F_PART0 + 6])
+
+
 def _split(desc: np.ndarray, ways: int) -> np.ndarray:
     """Each descriptor becomes `ways` descriptors over consecutive, near-equal shares of its
     tiles (part 0's tiles first, then part 1's); split s of a block has F_SPLIT = s."""
-    lo0, hi0 = desc[:, F_PART0 + 2], desc[:, F_PART0 + 3]
-    lo1, hi1 = desc[:, F_PART0 + 6], desc[:, F_PART0 + 7]
-    n0 = hi0 - lo0
-    n = n0 + (hi1 - lo1)
+    lo0, lo1 = desc[:, F_PART0 + 2], desc[:, F_PART0 + 6]
+    n0 = desc[:, F_PART0 + 3] - lo0
+    n = _tile_counts(desc)
     out = np.repeat(desc, ways, axis=0)
     s = np.tile(np.arange(ways), len(desc))
     n, n0 = np.repeat(n, ways), np.repeat(n0, ways)
@@ -289,15 +293,13 @@ def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate
     desc = np.concatenate(out) if out else np.zeros((0, NUM_FIELDS), dtype=np.int64)
     ways = 1
     if split is not None:
-        n_t = (desc[:, F_PART0 + 3] - desc[:, F_PART0 + 2]) + (desc[:, F_PART0 + 7] - desc[:, F_PART0 + 6])
-        ways = split.ways(len(desc), int(n_t.max()))
+        ways = split.ways(len(desc), int(_tile_counts(desc).max()))
     tokens = None
     if ways > 1:
         desc = _split(desc, ways)
         tokens = dev32([np.arange(r.q_start, r.q_end) for r in rows])
     # Longest programs first, so the causal tail does not run alone at the end of the launch.
-    work = (desc[:, F_PART0 + 3] - desc[:, F_PART0 + 2]) + (desc[:, F_PART0 + 7] - desc[:, F_PART0 + 6])
-    desc = desc[np.argsort(-work, kind="stable")]
+    desc = desc[np.argsort(-_tile_counts(desc), kind="stable")]
     tile_delta = dev32([t[2] for t in tiles])
     pre = None
     if rot_keys:
