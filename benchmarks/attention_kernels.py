@@ -138,7 +138,7 @@ def check_attention(seed: int, dtype: torch.dtype, prerotate: bool = True, split
     want = ref.forward(ref.prepare(plan, ROT, BS), q.float(), k.float(), v.float(), rk, rv)
     bk, bv = kc.clone(), vc.clone()
     base = ref.forward(ref.prepare(plan, ROT, BS), q, k, v, bk, bv).float()
-    tb = TritonBackend(prerotate_prefill=prerotate, split_programs=split)
+    tb = TritonBackend(prerotate_prefill=prerotate, split_programs=split, dense_prefill=0)
     lay = tb.prepare(plan, ROT, BS)
     tk, tv = kc.clone(), vc.clone()
     got = tb.forward(lay, q, k, v, tk, tv).float()
@@ -217,7 +217,8 @@ def time_rows(label: str, rows_by_mode: dict[str, list[Row]], cfgs: list[LaunchC
         runs = {}
         for m, rs in rows_by_mode.items():
             pre = MODES[m][2]
-            tb = TritonBackend(decode=cfg, prerotate_prefill=pre) if decode else TritonBackend(prefill=cfg, prerotate_prefill=pre)
+            cfgs = {"decode": cfg} if decode else {"prefill": cfg}
+            tb = TritonBackend(**cfgs, prerotate_prefill=pre, dense_prefill=0)
             lay = tb.prepare(plan_for(rs), ROT, BS)
             if m == "zero copied":
                 lay.has_delta = True  # take the prerotation path although every delta is 0
@@ -266,7 +267,7 @@ def time_prefill() -> None:
         rows = mode_rows(modes, [N_LONG], nq, 11)
         time_rows(label, rows, PREFILL_CFGS, False, causal_flops(nq, N_LONG), 2.0 * N_LONG * KVH * D * 2)
     # The per-layer prerotation pass alone, for the 16k row with 300..700-key segments.
-    tb = TritonBackend()
+    tb = TritonBackend(dense_prefill=0)
     lay = tb.prepare(plan_for(mode_rows(("seg",), [N_LONG], N_LONG, 11)["seg"]), ROT, BS)
     kc, vc = caches(N_LONG // BS * 2 + 64, TDT)
     tb.attend(lay, torch.randn(N_LONG, H, D, device=DEV, dtype=TDT), kc, vc)
@@ -298,7 +299,7 @@ def time_split() -> None:
                 for name, r in (("zero", zrow), ("seg", row)):
                     if name == "zero" and pre is not True:
                         continue
-                    tb = TritonBackend(prerotate_prefill=pre, split_programs=split)
+                    tb = TritonBackend(prerotate_prefill=pre, split_programs=split, dense_prefill=0)
                     lay = tb.prepare(plan_for([r]), ROT, BS)
                     ms = bench(lambda tb=tb, lay=lay: tb.attend(lay, q, kc, vc))
                     _, big = tb.launches(lay, H // KVH, KVH)

@@ -11,6 +11,7 @@ import triton
 
 from spanserve.attention.backend import AttentionBackend
 from spanserve.attention.plan import AttentionPlan
+from spanserve.attention.triton.dense import attend_dense
 from spanserve.attention.triton.kernels import (attention_kernel, combine_kernel, kv_write_kernel, reposition_kernel,
                                                 rotate_keys_kernel)
 from spanserve.attention.triton.layout import NUM_FIELDS, Launch, Prerotation, SplitPolicy, StepLayout, build_layout
@@ -44,16 +45,21 @@ def _pow2_at_least(x: int, lo: int) -> int:
 
 class TritonBackend(AttentionBackend):
     def __init__(self, prefill: LaunchConfig = PREFILL, decode: LaunchConfig = DECODE,
-                 prerotate_prefill: bool = True, split_programs: int | None = None):
+                 prerotate_prefill: bool = True, split_programs: int | None = None,
+                 dense_prefill: int | None = None):
         """`prerotate_prefill`: when some span of the prefill launch rotates, copy its keys
         (rotated) into a contiguous scratch once per layer, instead of rotating Q per span inside
         the kernel.
         `split_programs`: split the prefill launch along keys until it has about this many
-        programs (all KV heads together); None = two per SM on CUDA, 0 = never split."""
+        programs (all KV heads together); None = two per SM on CUDA, 0 = never split.
+        `dense_prefill`: rows of at least this many queries that attend only to their own new keys
+        (a fresh prompt) go to torch's fused attention (`dense.py`) on dense K/V; None = 1024 on
+        CUDA, 0 = never."""
         self.prefill_cfg = prefill
         self.decode_cfg = decode
         self.prerotate_prefill = prerotate_prefill
         self.split_programs = split_programs
+        self.dense_prefill = dense_prefill
 
     def prepare(self, plan: AttentionPlan, rotary: Rotary, block_size: int) -> StepLayout:
         return build_layout(plan, rotary.inv_freq)
@@ -62,9 +68,15 @@ class TritonBackend(AttentionBackend):
         """(decode launch, prefill launch) of a step for G query heads per KV head."""
         dec_m = _pow2_at_least(G, self.decode_cfg.block_m)
         pre_m = _pow2_at_least(G, self.prefill_cfg.block_m)
+        dev = prepared.key_slots.device
         return prepared.launches(dec_m // G, self.decode_cfg.block_n, pre_m // G,
                                  self.prefill_cfg.block_n, self.prerotate_prefill,
-                                 self._split_policy(prepared.key_slots.device, kvh))
+                                 self._split_policy(dev, kvh), self._dense_min(dev))
+
+    def _dense_min(self, dev: torch.device) -> int:
+        if self.dense_prefill is not None:
+            return self.dense_prefill
+        return 1024 if dev.type == "cuda" else 0
 
     def _split_policy(self, dev: torch.device, kvh: int) -> SplitPolicy | None:
         target = self.split_programs
@@ -101,6 +113,8 @@ class TritonBackend(AttentionBackend):
                 _launch_attention(prepared, launch, cfg, bm, q, k_cache if scratch is None else scratch,
                                   v_cache, out, G)
                 del scratch
+        for r in prepared.dense_rows(self._dense_min(q.device)):
+            attend_dense(q, k_cache, v_cache, prepared.key_slots, r.q_start, r.q_end, r.key_base, out)
         return out
 
 

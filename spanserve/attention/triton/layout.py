@@ -95,20 +95,33 @@ class StepLayout:
     _launches: dict[tuple, tuple[Launch, Launch]] = field(default_factory=dict)
 
     def launches(self, small_q: int, small_n: int, big_q: int, big_n: int, prerotate_big: bool,
-                 split: "SplitPolicy | None" = None) -> tuple[Launch, Launch]:
+                 split: "SplitPolicy | None" = None, dense_min: int = 0) -> tuple[Launch, Launch]:
         """The two launches: rows of at most `small_q` queries (decodes) get programs of `small_q`
         tokens and tiles of `small_n` keys, fused rotation; the rest `big_q` and `big_n`, with
-        their rotation done beforehand when `prerotate_big`, split along keys per `split`."""
+        their rotation done beforehand when `prerotate_big`, split along keys per `split`.
+        Rows of `dense_rows(dense_min)` are in neither (0: none are left out)."""
         if self.fixed is not None:
             return self.fixed
-        key = (small_q, small_n, big_q, big_n, prerotate_big, split)
+        key = (small_q, small_n, big_q, big_n, prerotate_big, split, dense_min)
         if key not in self._launches:
             small = [r for r in self.rows if r.q_end - r.q_start <= small_q]
-            big = [r for r in self.rows if r.q_end - r.q_start > small_q]
+            big = [r for r in self.rows if r.q_end - r.q_start > small_q and not _fresh(r, dense_min)]
             pre = prerotate_big if self.has_delta else False
             self._launches[key] = (_describe(small, small_q, small_n, self, False),
                                    _describe(big, big_q, big_n, self, pre, split))
         return self._launches[key]
+
+
+    def dense_rows(self, min_q: int) -> list[_RowHost]:
+        """Rows of at least `min_q` queries that see exactly their own keys, causally from position
+        0, unrotated: a fresh prompt's prefill, which a dense attention kernel can take as is."""
+        return [r for r in self.rows if _fresh(r, min_q)] if min_q and self.fixed is None else []
+
+
+def _fresh(r: _RowHost, min_q: int) -> bool:
+    nq = r.q_end - r.q_start
+    return (0 < min_q <= nq and r.n_keys == nq and len(r.span_delta) == 1 and r.span_delta[0] == 0
+            and bool((r.q_pos == np.arange(nq)).all()) and not r.anchor.any() and not r.seg.any())
 
 
 @dataclass(frozen=True)
