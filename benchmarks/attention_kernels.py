@@ -411,7 +411,7 @@ def main() -> None:
         print(f"{step.__name__} done in {time.time() - t1:.0f}s", flush=True)
     out = Path(args.out) if args.out else (Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "benchmarks/results")
     if out.suffix != ".json":
-        out = out / "attention_kernels_gpu.json"
+        out = out / ("attention_kernels_smoke.json" if SMOKE else "attention_kernels_gpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(RESULTS, indent=1))
     w = max(len(a) for a, _, _ in TABLE)
