@@ -118,22 +118,40 @@ def check_8b(model, rows: list) -> None:
 
 
 def check_graphs(model, rows: list) -> None:
-    """Decode through CUDA graphs gives the eager engine's greedy tokens (8B, span layouts, batch 3)."""
+    """Steps through CUDA graphs give the eager engine's greedy tokens (8B, span layouts): decode
+    at batch 3, then warm requests one at a time, whose short prefill steps (new questions over
+    the cached documents, at new positions) replay step graphs."""
     gen = torch.Generator().manual_seed(3)
     doc = torch.randint(3, 128000, (300,), generator=gen).tolist()
     lays = layouts(gen, 128000, doc)
+    warm = layouts(gen, 128000, doc)[:2] + layouts(gen, 128000, doc)[:2]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    toks = {}
+    toks, first = {}, {}
     for name, graphs in (("graphs", "auto"), ("eager", False)):
         eng = LLMEngine(model, device=DEV, dtype="bfloat16", num_blocks=1024, backend=TritonBackend(), cuda_graphs=graphs)
         reqs = [eng.add_request(p, params) for p in lays]
         while eng.has_unfinished():
             eng.step()
+        for p in warm:
+            reqs.append(eng.add_request(p, params))
+            sched = eng.scheduler.schedule()  # the warm prefill: keep its logits to compare
+            lg, r = eng.runner.run(sched.chunks)
+            first.setdefault(name, []).append(lg[[x for x in r if x >= 0][-1]].float())
+            for rid in list(eng.requests):
+                eng.abort(rid)
+            reqs[-1] = eng.add_request(p, params)
+            while eng.has_unfinished():
+                eng.step()
         toks[name] = [r.output_token_ids for r in reqs]
         if name == "graphs":
             replays = eng.runner.graphs.replays if eng.runner.graphs is not None else 0
+            step_replays = eng.runner.step_graphs.replays if eng.runner.step_graphs is not None else 0
         del eng
-    rows.append(("8B greedy tokens, CUDA-graph decode == eager", f"{replays} replays", toks["graphs"] == toks["eager"]))
+    rows.append(("8B greedy tokens, CUDA-graph decode == eager", f"{replays} replays", toks["graphs"][:3] == toks["eager"][:3]))
+    rows.append(("8B greedy tokens, warm short prefill graphs == eager", f"{step_replays} step replays",
+                 toks["graphs"][3:] == toks["eager"][3:]))
+    errs = [((a - b).norm() / b.norm()).item() for a, b in zip(first["graphs"], first["eager"])]
+    rows.append(("8B warm prefill logits rel err, step graph vs eager (max over 4)", "", f"{max(errs):.2e}"))
 
 
 def synced_step(eng: LLMEngine) -> float:

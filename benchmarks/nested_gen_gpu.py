@@ -59,7 +59,9 @@ def main() -> None:
             out = ex.execute(q)
             judge = out.outputs[()]
             if events is not None:
-                print(f"judge {r}: " + judge_phases(events, judge.request_id), flush=True)
+                sg = llm.engine.runner.step_graphs
+                print(f"judge {r}: " + judge_phases(events, judge.request_id)
+                      + ("" if sg is None else f", step graph captures so far {sg.captured}"), flush=True)
             # stock: the same judge prompt (same inner texts) as one causal prompt
             flat = llm.engine.add_request(list(judge.prompt_token_ids), SamplingParams(max_tokens=2, ignore_eos=True),
                                           namespace="stock")

@@ -1,16 +1,19 @@
-"""Decode steps as CUDA graphs: at batch 1 an 8B model's decode step is ~500 kernel launches of a
-few microseconds each, so launching them from Python costs more than running them. A step whose
-rows are all plain decodes is sent, in one host-to-device copy, into fixed-address buffers (the
-backend's static layout) and replays the graph captured for its batch size; anything else runs
-eagerly."""
+"""Steps as CUDA graphs: at batch 1 an 8B model's decode step is ~500 kernel launches of a few
+microseconds each, so launching them from Python costs more than running them; a short prefill
+step (a judge's question over its cached candidates) is the same. A step whose rows are all plain
+decodes is sent, in one host-to-device copy, into fixed-address buffers (the backend's static
+layout) and replays the graph captured for its batch size (`DecodeGraphs`); any other short step
+without recomputation does the same with buffers and graphs per padded shape (`StepGraphs`);
+anything else runs eagerly."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from spanserve.attention.decode import DecodeRows
+from spanserve.attention.host_plan import HostPlan
 from spanserve.attention.plan import AttentionPlan
 from spanserve.model.llama import LlamaModel
 
@@ -73,14 +76,67 @@ class DecodeGraphs:
         return self.model.forward(buf.static.ids, plan, self.backend, self.k_caches, self.v_caches, prepared=static)
 
     def _capture(self, buf: _Buffers, plan: AttentionPlan, static: Any) -> tuple[Any, torch.Tensor]:
-        # Warm up on a side stream (kernel compilation, allocator) as CUDA graph capture requires;
-        # the warm-up computes exactly this step, so the KV it writes is what the replay writes.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._forward(buf, plan, static)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(buf, plan, static)
-        return graph, out
+        return capture(lambda: self._forward(buf, plan, static), self.pool)
+
+
+def capture(forward: Callable[[], torch.Tensor], pool: Any) -> tuple[Any, torch.Tensor]:
+    """(graph, its output tensor) of `forward`, which runs once eagerly first."""
+    # Warm up on a side stream (kernel compilation, allocator) as CUDA graph capture requires;
+    # the warm-up computes exactly this step, so the KV it writes is what the replay writes.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
+
+
+class StepGraphs:
+    """Short general steps (up to `max_tokens` tokens, no recomputation) through the backend's
+    fixed-address step layouts: one graph per padded shape, at most `max_graphs` of them (least
+    recently used dropped). `capture=False` runs the fixed-buffer forward without a graph."""
+
+    def __init__(self, model: LlamaModel, backend: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 pool: Any, max_tokens: int = 256, max_graphs: int = 32, capture: bool = True):
+        c = model.config
+        self.model, self.backend = model, backend
+        self.k_caches, self.v_caches = k_caches, v_caches
+        self.static = backend.static_steps(c.num_heads // c.num_kv_heads, c.num_kv_heads, model.rotary.inv_freq,
+                                           model.device)
+        self.pool, self.max_tokens, self.max_graphs, self.capture = pool, max_tokens, max_graphs, capture
+        self.graphs: dict[Any, tuple[Any, torch.Tensor]] = {}  # insertion order = least recent first
+        self.replays = 0
+        self.captured: list[Any] = []  # the shape of every capture, in order (a log for benchmarks)
+
+    def run(self, hp: HostPlan) -> torch.Tensor | None:
+        """Hidden states [padded T, hidden] (rows past the step's T are padding), or None when the
+        step is too long for a graph (run it eagerly)."""
+        if len(hp.ids) > self.max_tokens:
+            return None
+        shape, lay, dev, moved = self.static.load(hp)
+        if moved:  # graphs of this bucket read the old buffers
+            for key in [k for k in self.graphs if k.buffers == shape.buffers]:
+                del self.graphs[key]
+        plan = AttentionPlan(rows=[], positions=dev["positions"], write_slots=dev["write_slots"])
+
+        def forward() -> torch.Tensor:
+            return self.model.forward(dev["ids"], plan, self.backend, self.k_caches, self.v_caches, prepared=lay)
+
+        self.replays += 1
+        if not self.capture:
+            out = forward()
+        else:
+            entry = self.graphs.pop(shape, None)
+            if entry is None:
+                if len(self.graphs) >= self.max_graphs:
+                    del self.graphs[next(iter(self.graphs))]
+                entry = capture(forward, self.pool)
+                self.captured.append((shape, moved))
+            entry[0].replay()
+            self.graphs[shape] = entry
+            out = entry[1]
+        self.static.fence()
+        return out

@@ -6,18 +6,20 @@ import torch
 
 from spanserve.attention.backend import AttentionBackend
 from spanserve.attention.decode import DecodeRows
+from spanserve.attention.host_plan import HostPlan
 from spanserve.attention.plan import AttentionPlan, HostRow, Row
 from spanserve.cache.storage import KVStorage
-from spanserve.engine.cuda_graphs import DecodeGraphs
+from spanserve.engine.cuda_graphs import DecodeGraphs, StepGraphs
 from spanserve.engine.scheduler import Chunk
 from spanserve.model.llama import LlamaModel
 from spanserve.reuse.recompute import Recompute, RecomputeRow
 
 
-def build_plan(chunks: list[Chunk], block_size: int, device: torch.device) -> tuple[torch.Tensor, AttentionPlan, list[int]]:
-    """Returns (input ids, plan, index into the flat batch of each chunk's sampled position or -1)."""
+def host_plan(chunks: list[Chunk]) -> tuple[HostPlan, list[int]]:
+    """The step as host arrays, and the index into the flat batch of each chunk's sampled position
+    (-1: none)."""
     ids, positions, writes = [], [], []
-    rows: list[Row] = []
+    rows: list[HostRow] = []
     sample_at: list[int] = []
     start = 0
     for c in chunks:
@@ -30,28 +32,39 @@ def build_plan(chunks: list[Chunk], block_size: int, device: torch.device) -> tu
         ids.append(np.asarray(t.tokens, dtype=np.int64)[pos] if nq > 64 else [t.tokens[p] for p in c.positions])
         positions.append(pos)
         writes.append(slots[pos])
-        host = HostRow(pos, slots[:n_keys], None if deltas is None else deltas[:n_keys],
-                       None if t.anchor_end is None else np.full(nq, t.anchor_end, dtype=np.int64),
-                       None if t.seg_start is None else np.full(nq, t.seg_start, dtype=np.int64))
-        rows.append(Row(
-            q_start=start,
-            q_end=start + nq,
-            q_pos=torch.from_numpy(pos).to(device),
-            key_slots=torch.from_numpy(host.key_slots).to(device),
-            key_delta=None if deltas is None else torch.from_numpy(host.key_delta).to(device),
-            anchor_end=None if t.anchor_end is None else torch.full((nq,), t.anchor_end, device=device),
-            seg_start=None if t.seg_start is None else torch.full((nq,), t.seg_start, device=device),
-            host=host,
-        ))
+        rows.append(HostRow(pos, slots[:n_keys], None if deltas is None else deltas[:n_keys],
+                            None if t.anchor_end is None else np.full(nq, t.anchor_end, dtype=np.int64),
+                            None if t.seg_start is None else np.full(nq, t.seg_start, dtype=np.int64)))
         sample_at.append(start + nq - 1 if t.sample and c.positions[-1] == len(t.tokens) - 1 else -1)
         start += nq
-    plan = AttentionPlan(
-        rows=rows,
-        positions=torch.from_numpy(np.concatenate(positions)).to(device),
-        write_slots=torch.from_numpy(np.concatenate(writes)).to(device),
-    )
     flat_ids = np.concatenate([np.asarray(x, dtype=np.int64) for x in ids])
-    return torch.from_numpy(flat_ids).to(device), plan, sample_at
+    return HostPlan(flat_ids, np.concatenate(positions), np.concatenate(writes), rows), sample_at
+
+
+def device_plan(hp: HostPlan, device: torch.device) -> tuple[torch.Tensor, AttentionPlan]:
+    """(input ids, plan) on the device."""
+    rows: list[Row] = []
+    start = 0
+    for h in hp.rows:
+        nq = len(h.q_pos)
+        rows.append(Row(
+            q_start=start, q_end=start + nq, q_pos=torch.from_numpy(h.q_pos).to(device),
+            key_slots=torch.from_numpy(h.key_slots).to(device),
+            key_delta=None if h.key_delta is None else torch.from_numpy(h.key_delta).to(device),
+            anchor_end=None if h.anchor_end is None else torch.from_numpy(h.anchor_end).to(device),
+            seg_start=None if h.seg_start is None else torch.from_numpy(h.seg_start).to(device),
+            host=h,
+        ))
+        start += nq
+    plan = AttentionPlan(rows, torch.from_numpy(hp.positions).to(device), torch.from_numpy(hp.write_slots).to(device))
+    return torch.from_numpy(hp.ids).to(device), plan
+
+
+def build_plan(chunks: list[Chunk], block_size: int, device: torch.device) -> tuple[torch.Tensor, AttentionPlan, list[int]]:
+    """Returns (input ids, plan, index into the flat batch of each chunk's sampled position or -1)."""
+    hp, sample_at = host_plan(chunks)
+    ids, plan = device_plan(hp, device)
+    return ids, plan, sample_at
 
 
 def decode_rows(chunks: list[Chunk]) -> tuple[DecodeRows, list[int]] | None:
@@ -83,9 +96,12 @@ class ModelRunner:
         self.k_caches = [storage.k[i] for i in range(n)]
         self.v_caches = [storage.v[i] for i in range(n)]
         self.graphs: DecodeGraphs | None = None
+        self.step_graphs: StepGraphs | None = None
         capable = hasattr(backend, "static_decode")
         if capable and (graphs == "eager" or (graphs in ("auto", True) and model.device.type == "cuda")):
             self.graphs = DecodeGraphs(model, backend, self.k_caches, self.v_caches, capture=graphs != "eager")
+            self.step_graphs = StepGraphs(model, backend, self.k_caches, self.v_caches, self.graphs.pool,
+                                          capture=graphs != "eager")
 
     def _recompute_rows(self, chunks: list[Chunk], plan: AttentionPlan) -> list[RecomputeRow]:
         out = []
@@ -115,7 +131,12 @@ class ModelRunner:
                 hidden = self.graphs.run(dec[0])
                 if hidden is not None:
                     return self._logits(hidden, dec[1])
-        ids, plan, sample_at = build_plan(chunks, self.storage.block_size, self.model.device)
+        hp, sample_at = host_plan(chunks)
+        if self.step_graphs is not None and all(c.recompute is None for c in chunks):
+            hidden = self.step_graphs.run(hp)
+            if hidden is not None:
+                return self._logits(hidden, sample_at)
+        ids, plan = device_plan(hp, self.model.device)
         rows = self._recompute_rows(chunks, plan)
         hooks = Recompute(rows, ids.numel(), self.model.rotary, self.storage.block_size) if rows else None
         hidden = self.model.forward(ids, plan, self.backend, self.k_caches, self.v_caches, hooks)

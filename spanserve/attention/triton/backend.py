@@ -16,6 +16,7 @@ from spanserve.attention.triton.kernels import (attention_kernel, combine_kernel
                                                 rotate_keys_kernel)
 from spanserve.attention.triton.layout import NUM_FIELDS, Launch, Prerotation, SplitPolicy, StepLayout, build_layout
 from spanserve.attention.triton.static import StaticDecode
+from spanserve.attention.triton.static_step import StaticSteps
 from spanserve.model.layers import Rotary
 
 
@@ -87,6 +88,15 @@ class TritonBackend(AttentionBackend):
     def static_decode(self, batch: int, inv_freq: torch.Tensor, device: torch.device,
                       capacity: int = 1 << 14) -> StaticDecode:
         return StaticDecode(batch, inv_freq.to(device=device, dtype=torch.float32).contiguous(), device, capacity)
+
+    def static_steps(self, G: int, kvh: int, inv_freq: torch.Tensor, device: torch.device) -> StaticSteps:
+        """Fixed-address layouts for short general steps (CUDA graphs), cut like `launches` cuts
+        them for G query heads per KV head."""
+        dev = torch.device(device)
+        dec_m = _pow2_at_least(G, self.decode_cfg.block_m)
+        pre_m = _pow2_at_least(G, self.prefill_cfg.block_m)
+        return StaticSteps(dec_m // G, self.decode_cfg.block_n, pre_m // G, self.prefill_cfg.block_n,
+                           self._split_policy(dev, kvh), inv_freq.to(device=dev, dtype=torch.float32).contiguous(), dev)
 
     def write(self, prepared: StepLayout, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor) -> None:

@@ -171,8 +171,10 @@ def combine_kernel(
     """out[tokens[i], h] = sum_s w_s o_s / sum_s w_s with w_s = 2^lse_s: merges the shares of a
     split launch for launch-local token `program_id(0)` and BLOCK_H heads."""
     loc = tl.program_id(0)
+    # tokens < 0: a padding index of a fixed-size (graph) launch, which no share wrote
+    tok = tl.load(tokens_ptr + loc).to(tl.int64)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = hh < n_heads
+    h_ok = hh < tl.where(tok >= 0, n_heads, 0)
     dd = tl.arange(0, D)
     m = tl.full((BLOCK_H,), -1.0e30, dtype=tl.float32)
     den = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -187,10 +189,9 @@ def combine_kernel(
         den = den * alpha + w
         acc = acc * alpha[:, None] + w[:, None] * o
         m = m_new
-    tok = tl.load(tokens_ptr + loc).to(tl.int64)
     res = acc / tl.where(den > 0.0, den, 1.0)[:, None]
-    tl.store(out_ptr + tok * stride_ot + (hh * D)[:, None] + dd[None, :], res.to(out_ptr.dtype.element_ty),
-             mask=h_ok[:, None])
+    tl.store(out_ptr + tl.maximum(tok, 0) * stride_ot + (hh * D)[:, None] + dd[None, :],
+             res.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
 @triton.jit
@@ -227,12 +228,13 @@ def kv_write_kernel(
     n_tokens, stride_kt, stride_vt, stride_cs,
     W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    """Scatter BLOCK_T tokens' K and V rows (W = KVH * D contiguous elements) to their slots."""
+    """Scatter BLOCK_T tokens' K and V rows (W = KVH * D contiguous elements) to their slots; a
+    slot < 0 (a padding token of a fixed-size graph step) is not written."""
     tt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ww = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    t_ok = tt < n_tokens
+    slot = tl.load(slots_ptr + tt, mask=tt < n_tokens, other=-1).to(tl.int64)
+    t_ok = slot >= 0
     m = t_ok[:, None] & (ww[None, :] < W)
-    slot = tl.load(slots_ptr + tt, mask=t_ok, other=0).to(tl.int64)
     tt64 = tt.to(tl.int64)
     k = tl.load(k_ptr + tt64[:, None] * stride_kt + ww[None, :], mask=m)
     v = tl.load(v_ptr + tt64[:, None] * stride_vt + ww[None, :], mask=m)

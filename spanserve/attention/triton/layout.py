@@ -24,12 +24,13 @@ range of tiles by binary search.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from spanserve.attention.plan import AttentionPlan
+from spanserve.attention.plan import AttentionPlan, HostRow
 
 # Descriptor fields (int32, one row per program); the kernel reads them by these offsets.
 F_TOK0, F_TOK1, F_KEY_BASE = 0, 1, 2
@@ -149,8 +150,30 @@ def _cat_host(parts: list[torch.Tensor]) -> np.ndarray:
     return torch.cat([p.reshape(-1).long() for p in parts]).cpu().numpy()
 
 
-def _cat_np(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, dtype=np.int64)
+def _spans(delta: np.ndarray | None, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A row's keys cut into maximal runs of equal delta: (starts, ends, deltas)."""
+    if delta is None:
+        return np.array([0]), np.array([n]), np.zeros(1, dtype=np.int64)
+    d = delta[:n]
+    cut = np.flatnonzero(np.diff(d)) + 1
+    starts = np.concatenate(([0], cut)).astype(np.int64)
+    return starts, np.concatenate((cut, [n])).astype(np.int64), d[starts].astype(np.int64)
+
+
+def host_rows(rows: Sequence[HostRow]) -> list[_RowHost]:
+    """The layout's rows straight from host arrays; rows take consecutive query ranges and
+    consecutive ranges of the step's key list, in order."""
+    out: list[_RowHost] = []
+    q0 = key_base = 0
+    for h in rows:
+        nq, n = len(h.q_pos), len(h.key_slots)
+        zeros = None if h.anchor_end is not None and h.seg_start is not None else np.zeros(nq, dtype=np.int64)
+        out.append(_RowHost(q0, q0 + nq, key_base, n, *_spans(h.key_delta, n), h.q_pos,
+                            zeros if h.anchor_end is None else h.anchor_end,
+                            zeros if h.seg_start is None else h.seg_start))
+        q0 += nq
+        key_base += n
+    return out
 
 
 def build_layout(plan: AttentionPlan, inv_freq: torch.Tensor) -> StepLayout:
@@ -158,53 +181,49 @@ def build_layout(plan: AttentionPlan, inv_freq: torch.Tensor) -> StepLayout:
     dev = plan.write_slots.device
     T = int(plan.positions.numel())
     has_plus = any(r.anchor_end is not None or r.seg_start is not None for r in rows)
-    if all(r.host is not None for r in rows):  # built on the host: no device round trip
-        hs = [r.host for r in rows]
-        q_pos = _cat_np([h.q_pos for h in hs])
-        anchor = _cat_np([h.anchor_end if h.anchor_end is not None else np.zeros_like(h.q_pos) for h in hs])
-        seg = _cat_np([h.seg_start if h.seg_start is not None else np.zeros_like(h.q_pos) for h in hs])
-        deltas = _cat_np([h.key_delta for h in hs if h.key_delta is not None])
+    if all(r.host is not None for r in rows) and all(r.q_start == h for r, h in zip(rows, _starts(rows))):
+        host_rows_ = host_rows([r.host for r in rows])  # built on the host: no device round trip
     else:
         q_pos = _cat_host([r.q_pos for r in rows])
         anchor = _cat_host([r.anchor_end if r.anchor_end is not None else torch.zeros_like(r.q_pos) for r in rows])
         seg = _cat_host([r.seg_start if r.seg_start is not None else torch.zeros_like(r.q_pos) for r in rows])
         deltas = _cat_host([r.key_delta for r in rows if r.key_delta is not None])
-
+        host_rows_ = []
+        q_off = d_off = key_base = 0
+        for r in rows:
+            nq, n = r.num_queries, r.num_keys
+            sl = slice(q_off, q_off + nq)
+            d = None
+            if r.key_delta is not None:
+                d = deltas[d_off:d_off + n]
+                d_off += n
+            host_rows_.append(_RowHost(r.q_start, r.q_end, key_base, n, *_spans(d, n), q_pos[sl], anchor[sl], seg[sl]))
+            q_off += nq
+            key_base += n
     tok = np.zeros((3, T), dtype=np.int64)
-    host_rows: list[_RowHost] = []
-    q_off = d_off = key_base = 0
-    for r in rows:
-        nq, n = r.num_queries, r.num_keys
-        sl = slice(q_off, q_off + nq)
-        tok[:, r.q_start:r.q_end] = q_pos[sl], anchor[sl], seg[sl]
-        if r.key_delta is not None:
-            d = deltas[d_off:d_off + n]
-            d_off += n
-            cut = np.flatnonzero(np.diff(d)) + 1
-            starts = np.concatenate(([0], cut)).astype(np.int64)
-            ends = np.concatenate((cut, [n])).astype(np.int64)
-            span_delta = d[starts]
-        else:
-            starts, ends = np.array([0]), np.array([n])
-            span_delta = np.zeros(1, dtype=np.int64)
-        host_rows.append(_RowHost(r.q_start, r.q_end, key_base, n, starts, ends, span_delta,
-                                  q_pos[sl], anchor[sl], seg[sl]))
-        q_off += nq
-        key_base += n
+    for r in host_rows_:
+        tok[:, r.q_start:r.q_end] = r.q_pos, r.anchor, r.seg
 
-    def dev32(parts: list[np.ndarray]) -> torch.Tensor:
-        a = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    def dev32(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a.astype(np.int32)).to(dev)
 
     key_slots = torch.cat([r.key_slots for r in rows]) if rows else torch.zeros(0, dtype=torch.long, device=dev)
     return StepLayout(
         write_slots=plan.write_slots.to(device=dev, dtype=torch.long),
         key_slots=key_slots.to(torch.int32),
-        q_pos=dev32([tok[0]]), anchor=dev32([tok[1]]), seg=dev32([tok[2]]),
+        q_pos=dev32(tok[0]), anchor=dev32(tok[1]), seg=dev32(tok[2]),
         inv_freq=inv_freq.to(device=dev, dtype=torch.float32).contiguous(),
-        has_delta=any(bool((r.span_delta != 0).any()) for r in host_rows),
-        has_plus=has_plus, rows=host_rows,
+        has_delta=any(bool((r.span_delta != 0).any()) for r in host_rows_),
+        has_plus=has_plus, rows=host_rows_,
     )
+
+
+def _starts(rows: list) -> list[int]:
+    out, q = [], 0
+    for r in rows:
+        out.append(q)
+        q += r.num_queries
+    return out
 
 
 def _tiles(r: _RowHost, bn: int, split: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -251,11 +270,23 @@ def _split(desc: np.ndarray, ways: int) -> np.ndarray:
     return out
 
 
-def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate: bool,
-              split: SplitPolicy | None = None) -> Launch:
-    dev = lay.key_slots.device
-    if not rows:
-        return empty_launch(dev)
+@dataclass
+class HostLaunch:
+    """A launch as host arrays (`_describe_host`); `Launch` is the same on the device."""
+
+    desc: np.ndarray  # [P, NUM_FIELDS] int64
+    tile_start: np.ndarray
+    tile_end: np.ndarray
+    tile_delta: np.ndarray
+    fused_delta: bool
+    split: int
+    tokens: np.ndarray | None  # split launches: flat token of each launch-local index
+    rot_keys: np.ndarray | None  # prerotated launches: the step's key index of each scratch row
+    rot_delta: np.ndarray | None
+
+
+def _describe_host(rows: list[_RowHost], bq: int, bn: int, prerotate: bool,
+                   split: SplitPolicy | None = None) -> HostLaunch:
     out: list[np.ndarray] = []
     tiles: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     rot_keys: list[np.ndarray] = []
@@ -299,24 +330,38 @@ def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate
         n_tiles += len(ts)
         n_tok += nq
 
-    def dev32(parts: list[np.ndarray]) -> torch.Tensor:
-        a = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return torch.from_numpy(a.astype(np.int32)).to(dev)
+    def cat(parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     desc = np.concatenate(out) if out else np.zeros((0, NUM_FIELDS), dtype=np.int64)
     ways = 1
-    if split is not None:
+    if split is not None and len(desc):
         ways = split.ways(len(desc), int(_tile_counts(desc).max()))
     tokens = None
     if ways > 1:
         desc = _split(desc, ways)
-        tokens = dev32([np.arange(r.q_start, r.q_end) for r in rows])
+        tokens = cat([np.arange(r.q_start, r.q_end) for r in rows])
     # Longest programs first, so the causal tail does not run alone at the end of the launch.
     desc = desc[np.argsort(-_tile_counts(desc), kind="stable")]
-    tile_delta = dev32([t[2] for t in tiles])
+    tile_delta = cat([t[2] for t in tiles])
+    return HostLaunch(desc, cat([t[0] for t in tiles]), cat([t[1] for t in tiles]), tile_delta,
+                      bool(tile_delta.any()), ways, tokens,
+                      cat(rot_keys) if rot_keys else None, cat(rot_delta) if rot_keys else None)
+
+
+def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate: bool,
+              split: SplitPolicy | None = None) -> Launch:
+    dev = lay.key_slots.device
+    if not rows:
+        return empty_launch(dev)
+    h = _describe_host(rows, bq, bn, prerotate, split)
+
+    def dev32(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a.astype(np.int32)).to(dev)
+
     pre = None
-    if rot_keys:
-        keys = torch.from_numpy(np.concatenate(rot_keys)).to(dev)
-        pre = Prerotation(lay.key_slots[keys].contiguous(), dev32(rot_delta))
-    return Launch(dev32([desc]).view(-1, NUM_FIELDS), dev32([t[0] for t in tiles]), dev32([t[1] for t in tiles]),
-                  tile_delta, bool(any((t[2] != 0).any() for t in tiles)), pre, ways, tokens)
+    if h.rot_keys is not None:
+        keys = torch.from_numpy(h.rot_keys).to(dev)
+        pre = Prerotation(lay.key_slots[keys].contiguous(), dev32(h.rot_delta))
+    return Launch(dev32(h.desc).view(-1, NUM_FIELDS), dev32(h.tile_start), dev32(h.tile_end), dev32(h.tile_delta),
+                  h.fused_delta, pre, h.split, None if h.tokens is None else dev32(h.tokens))
