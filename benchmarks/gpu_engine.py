@@ -69,19 +69,22 @@ def check_tiny(rows: list) -> None:
     doc = torch.randint(3, 384, (37,), generator=gen).tolist()
     lays = layouts(gen, 384, doc)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    outs = {}
+    outs, steps = {}, {}
     for name, dev, be in [("cpu", "cpu", None), ("cuda-reference", DEV, None), ("cuda-triton", DEV, TritonBackend())]:
         llm = LLM(str(path), device=dev, block_size=16, num_blocks=256, backend=be)
         first = [o.token_ids for o in llm.generate(lays, params)]
         second = [o.token_ids for o in llm.generate(lays[::-1], params)][::-1]  # warm, other order
         outs[name] = (first, second)
+        sg = llm.engine.runner.step_graphs
+        if sg is not None:
+            steps[name] = f" ({sg.replays} step-graph replays)"
     seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
     for dev in ("cpu", DEV):  # per-request generators live on the engine's device
         LLM(str(path), device=dev, block_size=16, num_blocks=64).generate(lays[2], seeded)
     rows.append(("seeded sampling runs on", DEV, True))
     for name in ("cuda-reference", "cuda-triton"):
         same = outs[name][0] == outs["cpu"][0] and outs[name][1] == outs["cpu"][0]
-        rows.append(("tiny greedy tokens == CPU (cold, warm)", name, same))
+        rows.append(("tiny greedy tokens == CPU (cold, warm)", name + steps.get(name, ""), same))
 
 
 def check_8b(model, rows: list) -> None:
@@ -127,8 +130,9 @@ def check_graphs(model, rows: list) -> None:
     warm = layouts(gen, 128000, doc)[:2] + layouts(gen, 128000, doc)[:2]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     toks, first = {}, {}
-    for name, graphs in (("graphs", "auto"), ("eager", False)):
-        eng = LLMEngine(model, device=DEV, dtype="bfloat16", num_blocks=1024, backend=TritonBackend(), cuda_graphs=graphs)
+    for name, graphs in (("graphs", "auto"), ("eager", False), ("reference", False)):
+        be = None if name == "reference" else TritonBackend()
+        eng = LLMEngine(model, device=DEV, dtype="bfloat16", num_blocks=1024, backend=be, cuda_graphs=graphs)
         reqs = [eng.add_request(p, params) for p in lays]
         while eng.has_unfinished():
             eng.step()
@@ -148,10 +152,13 @@ def check_graphs(model, rows: list) -> None:
             step_replays = eng.runner.step_graphs.replays if eng.runner.step_graphs is not None else 0
         del eng
     rows.append(("8B greedy tokens, CUDA-graph decode == eager", f"{replays} replays", toks["graphs"][:3] == toks["eager"][:3]))
+    # Greedy tokens of random bf16 weights follow rounding: padded GEMMs and the in-kernel rotation
+    # round differently from the eager step, so compare both with the reference backend instead.
     rows.append(("8B greedy tokens, warm short prefill graphs == eager", f"{step_replays} step replays",
                  toks["graphs"][3:] == toks["eager"][3:]))
-    errs = [((a - b).norm() / b.norm()).item() for a, b in zip(first["graphs"], first["eager"])]
-    rows.append(("8B warm prefill logits rel err, step graph vs eager (max over 4)", "", f"{max(errs):.2e}"))
+    for name in ("graphs", "eager"):
+        errs = [((a - b).norm() / b.norm()).item() for a, b in zip(first[name], first["reference"])]
+        rows.append((f"8B warm prefill logits rel err vs reference, {name} (max over 4)", "", f"{max(errs):.2e}"))
 
 
 def synced_step(eng: LLMEngine) -> float:
