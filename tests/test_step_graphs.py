@@ -41,6 +41,8 @@ BACKENDS = {
     "plain": lambda: TritonBackend(SMALL, SMALL),
     # 1000 programs wanted: every prefill launch is split, so padded token indices reach the combine
     "split": lambda: TritonBackend(LaunchConfig(32, 16, 4, 1), SMALL, split_programs=1000),
+    "split-fused": lambda: TritonBackend(LaunchConfig(32, 16, 4, 1), SMALL, split_programs=1000,
+                                         prerotate_prefill=False),
 }
 
 
@@ -126,8 +128,8 @@ def _run(engine: LLMEngine, prompts: list) -> list[list[int]]:
     return [r.output_token_ids for r in reqs]
 
 
-@pytest.mark.parametrize("split", [0, 1000])
-def test_engine_short_steps_match_eager(tmp_path, split: int) -> None:
+@pytest.mark.parametrize("split,prerotate", [(0, False), (1000, True)])
+def test_engine_short_steps_match_eager(tmp_path, split: int, prerotate: bool) -> None:
     """Prefill steps (plain prompts, span queries cold and warm with deltas) take the padded
     fixed-buffer path up to max_tokens and the general path above it; tokens match the eager
     engine's."""
@@ -139,7 +141,7 @@ def test_engine_short_steps_match_eager(tmp_path, split: int) -> None:
     def engine(graphs: bool | str) -> LLMEngine:
         return LLMEngine(str(path), block_size=8, num_blocks=160, max_num_batched_tokens=96,
                          backend=TritonBackend(LaunchConfig(32, 8, 4, 1) if split else SMALL, SMALL,
-                                               split_programs=split), cuda_graphs=graphs)
+                                               split_programs=split, prerotate_prefill=prerotate), cuda_graphs=graphs)
 
     eager, fixed = engine(False), engine("eager")
     steps = fixed.runner.step_graphs
@@ -152,6 +154,8 @@ def test_engine_short_steps_match_eager(tmp_path, split: int) -> None:
         assert _run(fixed, [p]) == _run(eager, [p])
     assert steps.replays >= 4
     shapes = [s for b in steps.static.sets.values() for s in b.layouts]
-    assert any(s.big_fused for s in shapes) and any(s.small_fused for s in shapes)  # keys rotated in-kernel
+    assert any(s.small_fused for s in shapes)  # decode-size rows rotate Q in the kernel
+    # warm prefill rows: their keys copied rotated by a counted pass, or Q rotated in the kernel
+    assert any(s.big_prerotated if prerotate else s.big_fused for s in shapes)
     if split:
         assert any(s.ways > 1 for s in shapes)

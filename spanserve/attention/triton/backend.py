@@ -96,7 +96,8 @@ class TritonBackend(AttentionBackend):
         dec_m = _pow2_at_least(G, self.decode_cfg.block_m)
         pre_m = _pow2_at_least(G, self.prefill_cfg.block_m)
         return StaticSteps(dec_m // G, self.decode_cfg.block_n, pre_m // G, self.prefill_cfg.block_n,
-                           self._split_policy(dev, kvh), inv_freq.to(device=dev, dtype=torch.float32).contiguous(), dev)
+                           self._split_policy(dev, kvh), self.prerotate_prefill,
+                           inv_freq.to(device=dev, dtype=torch.float32).contiguous(), dev)
 
     def write(self, prepared: StepLayout, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor) -> None:
@@ -178,16 +179,20 @@ def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_
 
 
 def rotate_keys(k_cache: torch.Tensor, pre: Prerotation, inv_freq: torch.Tensor) -> torch.Tensor:
-    """[n, 1, KVH, D] scratch holding R(delta) K of the launch's keys for one layer, in key order."""
+    """[n, 1, KVH, D] scratch holding R(delta) K of the launch's keys for one layer, in key order
+    (n: the length of the slot list; with `pre.count` only the first count rows are written)."""
     KVH, D = k_cache.shape[2], k_cache.shape[3]
     n = pre.src_slots.numel()
     out = torch.empty(n, 1, KVH, D, dtype=k_cache.dtype, device=k_cache.device)
     block_kvh = triton.next_power_of_2(KVH)
     # 32 (key, head) rows of D per program: more holds the fp32 halves in spilled registers.
     block_k = max(1, 32 // block_kvh)
-    rotate_keys_kernel[(triton.cdiv(n, block_k),)](
-        k_cache, out, pre.src_slots, pre.delta, inv_freq, n, KVH * D,
-        KVH=KVH, D=D, BLOCK_K=block_k, BLOCK_KVH=block_kvh, num_warps=4,
+    # A counted launch has a fixed grid whatever the count (graph replay): programs stride.
+    programs = triton.cdiv(n, block_k) if pre.count is None else min(triton.cdiv(n, block_k), 2048)
+    rotate_keys_kernel[(max(programs, 1),)](
+        k_cache, out, pre.src_slots, pre.delta, inv_freq, pre.src_slots if pre.count is None else pre.count,
+        n, KVH * D, KVH=KVH, D=D, BLOCK_K=block_k, BLOCK_KVH=block_kvh, COUNTED=pre.count is not None,
+        num_warps=4,
     )
     return out
 

@@ -196,30 +196,36 @@ def combine_kernel(
 
 @triton.jit
 def rotate_keys_kernel(
-    k_cache_ptr, out_ptr, slots_ptr, delta_ptr, inv_freq_ptr, n_keys, stride_cs,
+    k_cache_ptr, out_ptr, slots_ptr, delta_ptr, inv_freq_ptr, count_ptr, n_keys, stride_cs,
     KVH: tl.constexpr, D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KVH: tl.constexpr,
+    COUNTED: tl.constexpr,
 ):
-    """out[i] = R(delta[i]) k_cache[slots[i]] for BLOCK_K keys, every head: the deferred rotation
-    done once per layer for a prefill launch. Angles are computed on [BLOCK_K, 1, HALF] and
-    broadcast over the heads, so each (key, frequency) costs one sin/cos."""
+    """out[i] = R(delta[i]) k_cache[slots[i]] for every head: the deferred rotation done once per
+    layer for a prefill launch. Programs stride over the keys BLOCK_K at a time; COUNTED reads the
+    key count from count_ptr (a graph's fixed-size launch), else it is n_keys. Angles are computed
+    on [BLOCK_K, 1, HALF] and broadcast over the heads, so each (key, frequency) costs one sin/cos."""
     HALF: tl.constexpr = D // 2
-    kk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    k_ok = kk < n_keys
-    slot = tl.load(slots_ptr + kk, mask=k_ok, other=0).to(tl.int64)
-    ang = tl.load(delta_ptr + kk, mask=k_ok, other=0).to(tl.float32)
+    if COUNTED:
+        n_keys = tl.load(count_ptr)
     hh = tl.arange(0, BLOCK_KVH)
     i = tl.arange(0, HALF)
-    m = k_ok[:, None, None] & (hh < KVH)[None, :, None]
     col = (hh * D)[None, :, None] + i[None, None, :]
-    src = k_cache_ptr + slot[:, None, None] * stride_cs + col
-    k1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-    k2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
-    a = ang[:, None, None] * tl.load(inv_freq_ptr + i)[None, None, :]
-    c = tl.cos(a)
-    sn = tl.sin(a)
-    dst = out_ptr + kk.to(tl.int64)[:, None, None] * stride_cs + col
-    tl.store(dst, (k1 * c - k2 * sn).to(out_ptr.dtype.element_ty), mask=m)
-    tl.store(dst + HALF, (k2 * c + k1 * sn).to(out_ptr.dtype.element_ty), mask=m)
+    freq = tl.load(inv_freq_ptr + i)[None, None, :]
+    for k0 in range(tl.program_id(0) * BLOCK_K, n_keys, tl.num_programs(0) * BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < n_keys
+        slot = tl.load(slots_ptr + kk, mask=k_ok, other=0).to(tl.int64)
+        ang = tl.load(delta_ptr + kk, mask=k_ok, other=0).to(tl.float32)
+        m = k_ok[:, None, None] & (hh < KVH)[None, :, None]
+        src = k_cache_ptr + slot[:, None, None] * stride_cs + col
+        k1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        k2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        a = ang[:, None, None] * freq
+        c = tl.cos(a)
+        sn = tl.sin(a)
+        dst = out_ptr + kk.to(tl.int64)[:, None, None] * stride_cs + col
+        tl.store(dst, (k1 * c - k2 * sn).to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + HALF, (k2 * c + k1 * sn).to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit

@@ -63,6 +63,7 @@ class Prerotation:
 
     src_slots: torch.Tensor  # [n] int32
     delta: torch.Tensor  # [n] int32
+    count: torch.Tensor | None = None  # [1] int32: keys in use of a fixed-size (graph) buffer
 
 
 @dataclass
@@ -136,11 +137,14 @@ class SplitPolicy:
     min_tiles: int = 4
     max_split: int = 64
 
-    def ways(self, n_programs: int, max_tiles: int) -> int:
+    def ways(self, n_programs: int, max_tiles: int | None) -> int:
+        """max_tiles None: ignore min_tiles, so the ways follow the program count alone (a graph's
+        shape must not change with every key count)."""
         if n_programs == 0 or n_programs >= self.programs:
             return 1
         want = -(-self.programs // n_programs)
-        return max(1, min(want, max_tiles // self.min_tiles, self.max_split))
+        cap = self.max_split if max_tiles is None else min(max_tiles // self.min_tiles, self.max_split)
+        return max(1, min(want, cap))
 
 
 def _cat_host(parts: list[torch.Tensor]) -> np.ndarray:
@@ -286,7 +290,7 @@ class HostLaunch:
 
 
 def _describe_host(rows: list[_RowHost], bq: int, bn: int, prerotate: bool,
-                   split: SplitPolicy | None = None) -> HostLaunch:
+                   split: SplitPolicy | None = None, fixed_ways: bool = False) -> HostLaunch:
     out: list[np.ndarray] = []
     tiles: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     rot_keys: list[np.ndarray] = []
@@ -336,7 +340,7 @@ def _describe_host(rows: list[_RowHost], bq: int, bn: int, prerotate: bool,
     desc = np.concatenate(out) if out else np.zeros((0, NUM_FIELDS), dtype=np.int64)
     ways = 1
     if split is not None and len(desc):
-        ways = split.ways(len(desc), int(_tile_counts(desc).max()))
+        ways = split.ways(len(desc), None if fixed_ways else int(_tile_counts(desc).max()))
     tokens = None
     if ways > 1:
         desc = _split(desc, ways)

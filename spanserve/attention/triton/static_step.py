@@ -15,9 +15,10 @@ padded to a bucket and only *contents* change between steps:
 - keys and tiles live in buffers that grow by doubling (a growth moves them: graphs that read
   them are stale, and `load` says so).
 
-Rotation is fused into the prefill launch too (no prerotation pass: its grid would follow the key
-count). The contents are what `build_layout` + `_describe` give for the same step
-(tests/test_step_graphs.py checks it), in one packed host buffer sent in one copy.
+The prefill launch's prerotation pass reads its key count from the buffer and strides over it
+with a fixed grid; its scratch has the capacity's rows. The shares of a split launch follow the
+program count alone (not also the tile count, as in eager steps), so one workload keeps one shape.
+All of it goes in one packed host buffer sent in one copy.
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ import numpy as np
 import torch
 
 from spanserve.attention.host_plan import HostPlan
-from spanserve.attention.triton.layout import (F_PART0, NUM_FIELDS, HostLaunch, Launch, SplitPolicy, StepLayout,
-                                               _describe_host, empty_launch, host_rows)
+from spanserve.attention.triton.layout import (F_PART0, NUM_FIELDS, HostLaunch, Launch, Prerotation, SplitPolicy,
+                                               StepLayout, _describe_host, empty_launch, host_rows)
 
 _ALIGN = 64  # bytes between region starts: Triton specializes kernels on 16-byte-aligned pointers
 _TILE_FIELDS = [F_PART0 + 2, F_PART0 + 3, F_PART0 + 6, F_PART0 + 7]
@@ -49,6 +50,7 @@ class Shape:
     ways: int
     small_fused: bool
     big_fused: bool
+    big_prerotated: bool
     has_plus: bool
 
     @property
@@ -65,9 +67,10 @@ class _Regions:
         self.key_cap, self.tile_cap = key_cap, tile_cap
         fields = [("ids", i64, (T,)), ("positions", i64, (T,)), ("write_slots", i64, (T,)),
                   ("q_pos", i32, (T,)), ("anchor", i32, (T,)), ("seg", i32, (T,)), ("tokens", i32, (T,)),
+                  ("rot_count", i32, (1,)),
                   ("desc_small", i32, (small, NUM_FIELDS)), ("desc_big", i32, (big, NUM_FIELDS)),
                   ("tile_start", i32, (tile_cap,)), ("tile_end", i32, (tile_cap,)), ("tile_delta", i32, (tile_cap,)),
-                  ("key_slots", i32, (key_cap,))]
+                  ("rot_delta", i32, (key_cap,)), ("rot_slots", i32, (key_cap,)), ("key_slots", i32, (key_cap,))]
         self.offsets: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
         off = 0
         for name, dt, shape in fields:
@@ -100,8 +103,9 @@ class StaticSteps:
     big_n): tokens per program and keys per tile of the decode and prefill launches."""
 
     def __init__(self, small_q: int, small_n: int, big_q: int, big_n: int, split: SplitPolicy | None,
-                 inv_freq: torch.Tensor, device: torch.device):
+                 prerotate: bool, inv_freq: torch.Tensor, device: torch.device):
         self.small_q, self.small_n, self.big_q, self.big_n, self.split = small_q, small_n, big_q, big_n, split
+        self.prerotate = prerotate
         self.inv_freq = inv_freq
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
@@ -109,13 +113,14 @@ class StaticSteps:
         self._unfenced: tuple[_Buffers, int] | None = None
 
     def describe(self, plan: HostPlan) -> tuple[HostLaunch | None, HostLaunch | None, bool]:
-        """The step's two launches on the host, as the general path would cut them (except that
-        the prefill launch rotates in-kernel), and whether some row has the plus form."""
+        """The step's two launches on the host, as the general path would cut them (but for the
+        number of split shares), and whether some row has the plus form."""
         rows = host_rows(plan.rows)
         small = [r for r in rows if r.q_end - r.q_start <= self.small_q]
         big = [r for r in rows if r.q_end - r.q_start > self.small_q]
+        pre = self.prerotate and any(r.span_delta.any() for r in big)
         hs = _describe_host(small, self.small_q, self.small_n, False) if small else None
-        hb = _describe_host(big, self.big_q, self.big_n, False, self.split) if big else None
+        hb = _describe_host(big, self.big_q, self.big_n, pre, self.split, fixed_ways=True) if big else None
         has_plus = any(h.anchor_end is not None or h.seg_start is not None for h in plan.rows)
         return hs, hb, has_plus
 
@@ -131,7 +136,7 @@ class StaticSteps:
         nb = 0 if hb is None else len(hb.tile_start)
         shape = Shape(bucket(T, 16), bucket(0 if hs is None else len(hs.desc)), bucket(0 if hb is None else len(hb.desc)),
                       1 if hb is None else hb.split, hs is not None and hs.fused_delta,
-                      hb is not None and hb.fused_delta, has_plus)
+                      hb is not None and hb.fused_delta, hb is not None and hb.rot_keys is not None, has_plus)
         buf, moved = self._buffers(shape.buffers, n_keys, ns + nb)
         self.fence()
         i = buf.turn
@@ -183,17 +188,20 @@ class StaticSteps:
     def _layout(self, buf: _Buffers, shape: Shape) -> StepLayout:
         d = buf.dev
 
-        def launch(desc: torch.Tensor, fused: bool, ways: int) -> Launch:
+        def launch(desc: torch.Tensor, fused: bool, ways: int, pre: Prerotation | None = None) -> Launch:
             if desc.shape[0] == 0:
                 return empty_launch(self.device)
-            return Launch(desc, d["tile_start"], d["tile_end"], d["tile_delta"], fused, None, ways,
+            return Launch(desc, d["tile_start"], d["tile_end"], d["tile_delta"], fused, pre, ways,
                           d["tokens"] if ways > 1 else None)
+
+        pre = Prerotation(d["rot_slots"], d["rot_delta"], d["rot_count"]) if shape.big_prerotated else None
 
         return StepLayout(
             write_slots=d["write_slots"], key_slots=d["key_slots"], q_pos=d["q_pos"], anchor=d["anchor"],
             seg=d["seg"], inv_freq=self.inv_freq, has_delta=shape.small_fused or shape.big_fused,
             has_plus=shape.has_plus, rows=[],
-            fixed=(launch(d["desc_small"], shape.small_fused, 1), launch(d["desc_big"], shape.big_fused, shape.ways)))
+            fixed=(launch(d["desc_small"], shape.small_fused, 1),
+                   launch(d["desc_big"], shape.big_fused, shape.ways, pre)))
 
 
 def _fill(a: dict[str, np.ndarray], plan: HostPlan, hs: HostLaunch | None, hb: HostLaunch | None,
@@ -225,3 +233,9 @@ def _fill(a: dict[str, np.ndarray], plan: HostPlan, hs: HostLaunch | None, hb: H
             a["tokens"][:len(hb.tokens)] = hb.tokens
     if plan.rows:
         np.concatenate([h.key_slots for h in plan.rows], out=a["key_slots"][:n_keys], casting="unsafe")
+    a["rot_count"][0] = 0
+    if hb is not None and hb.rot_keys is not None:
+        n = len(hb.rot_keys)
+        a["rot_slots"][:n] = a["key_slots"][hb.rot_keys]
+        a["rot_delta"][:n] = hb.rot_delta
+        a["rot_count"][0] = n
