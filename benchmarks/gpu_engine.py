@@ -243,7 +243,7 @@ def main() -> None:
         check_graphs(model, rows)
     res = prefill_and_decode(model, args.prefill, args.decode_steps, peak, bw, rows)
     print(format_table(["check", "value", "note"], rows))
-    write_json(args.out, {"rows": [list(map(str, r)) for r in rows], "peak_tflops": peak, "copy_gbps": bw, **res})
+    write_json(args.out if not args.dry else "gpu_engine_dry.json", {"rows": [list(map(str, r)) for r in rows], "peak_tflops": peak, "copy_gbps": bw, **res})
 
 
 if __name__ == "__main__":
