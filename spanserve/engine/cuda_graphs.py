@@ -37,7 +37,7 @@ class DecodeGraphs:
         self.block_n: int = backend.decode_cfg.block_n  # keys per tile of the decode launch
         self.buffers: dict[int, _Buffers] = {}
         self.graphs: dict[tuple[int, bool], tuple[Any, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.pool = GraphPool() if capture else None
         self.replays = 0  # steps served by a graph (or the fixed-buffer path)
         self.capacity = 1 << 14  # initial keys per batch size's buffers (they grow by doubling)
 
@@ -79,7 +79,21 @@ class DecodeGraphs:
         return capture(lambda: self._forward(buf, plan, static), self.pool)
 
 
-def capture(forward: Callable[[], torch.Tensor], pool: Any) -> tuple[Any, torch.Tensor]:
+class GraphPool:
+    """A memory pool shared by all the engine's graphs (they never run concurrently). It holds a
+    one-kernel graph of its own: when every real graph of the pool has been dropped (buffers that
+    moved, least recently used ones) while a tensor it made is still alive, the pool's use count
+    would reach zero and torch's allocator refuses the next capture into it (an internal assert,
+    seen on torch 2.11)."""
+
+    def __init__(self) -> None:
+        self.handle = torch.cuda.graph_pool_handle()
+        self._keeper = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._keeper, pool=self.handle):
+            self._cell = torch.zeros(1, device="cuda")
+
+
+def capture(forward: Callable[[], torch.Tensor], pool: GraphPool) -> tuple[Any, torch.Tensor]:
     """(graph, its output tensor) of `forward`, which runs once eagerly first."""
     # Warm up on a side stream (kernel compilation, allocator) as CUDA graph capture requires;
     # the warm-up computes exactly this step, so the KV it writes is what the replay writes.
@@ -89,7 +103,7 @@ def capture(forward: Callable[[], torch.Tensor], pool: Any) -> tuple[Any, torch.
         forward()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool.handle):
         out = forward()
     return graph, out
 
@@ -100,7 +114,7 @@ class StepGraphs:
     recently used dropped). `capture=False` runs the fixed-buffer forward without a graph."""
 
     def __init__(self, model: LlamaModel, backend: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                 pool: Any, max_tokens: int = 256, max_graphs: int = 32, capture: bool = True):
+                 pool: GraphPool | None, max_tokens: int = 256, max_graphs: int = 32, capture: bool = True):
         c = model.config
         self.model, self.backend = model, backend
         self.k_caches, self.v_caches = k_caches, v_caches
