@@ -202,6 +202,9 @@ MODES: dict[str, tuple[str, tuple[int, int], bool, bool]] = {
     "seg fused": ("seg", (300, 700), False, False),
     "delta-kernel zero": ("zero", (300, 700), False, True),
     "zero copied": ("zero", (300, 700), True, False),
+    # decode: Q rotated inside one loop per row (the graph path's decode) instead of span shares
+    "seg loop": ("seg", (300, 700), True, False),
+    "seg4k loop": ("seg", (3000, 5000), True, False),
 }
 
 
@@ -218,7 +221,7 @@ def time_rows(label: str, rows_by_mode: dict[str, list[Row]], cfgs: list[LaunchC
         for m, rs in rows_by_mode.items():
             pre = MODES[m][2]
             cfgs = {"decode": cfg} if decode else {"prefill": cfg}
-            tb = TritonBackend(**cfgs, prerotate_prefill=pre, dense_prefill=0)
+            tb = TritonBackend(**cfgs, prerotate_prefill=pre, dense_prefill=0, decode_shares=not m.endswith("loop"))
             lay = tb.prepare(plan_for(rs), ROT, BS)
             if m == "zero copied":
                 lay.has_delta = True  # take the prerotation path although every delta is 0
@@ -311,7 +314,7 @@ def time_split() -> None:
 
 
 def time_decode() -> None:
-    modes = ("zero", "seg", "seg4k", "block", "delta-kernel zero")
+    modes = ("zero", "seg", "seg4k", "block", "delta-kernel zero", "seg loop", "seg4k loop")
     for batch, ctx in DECODE_SETS:
         rng = random.Random(5)
         lens = [ctx + rng.randint(-ctx // 16, ctx // 16) for _ in range(batch)]
@@ -386,6 +389,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--only", default=None, help="comma-separated timing steps to run, e.g. time_decode")
     args = ap.parse_args()
     RESULTS["env"] = {"torch": torch.__version__, "triton": triton.__version__, "smoke": SMOKE}
     if not SMOKE:
@@ -402,6 +406,8 @@ def main() -> None:
     print(f"checks done in {time.time() - t0:.0f}s", flush=True)
     steps = (ceilings, time_split, time_prefill, time_decode, time_sdpa, time_write_and_reposition)
     for step in steps + (() if SMOKE else (compiled_kernels,)):
+        if args.only and step.__name__ not in args.only.split(","):
+            continue
         t1 = time.time()
         try:
             step()
