@@ -202,9 +202,6 @@ MODES: dict[str, tuple[str, tuple[int, int], bool, bool]] = {
     "seg fused": ("seg", (300, 700), False, False),
     "delta-kernel zero": ("zero", (300, 700), False, True),
     "zero copied": ("zero", (300, 700), True, False),
-    # decode: Q rotated inside one loop per row (the graph path's decode) instead of span shares
-    "seg loop": ("seg", (300, 700), True, False),
-    "seg4k loop": ("seg", (3000, 5000), True, False),
 }
 
 
@@ -221,7 +218,7 @@ def time_rows(label: str, rows_by_mode: dict[str, list[Row]], cfgs: list[LaunchC
         for m, rs in rows_by_mode.items():
             pre = MODES[m][2]
             cfgs = {"decode": cfg} if decode else {"prefill": cfg}
-            tb = TritonBackend(**cfgs, prerotate_prefill=pre, dense_prefill=0, decode_shares=not m.endswith("loop"))
+            tb = TritonBackend(**cfgs, prerotate_prefill=pre, dense_prefill=0)
             lay = tb.prepare(plan_for(rs), ROT, BS)
             if m == "zero copied":
                 lay.has_delta = True  # take the prerotation path although every delta is 0
@@ -314,7 +311,7 @@ def time_split() -> None:
 
 
 def time_decode() -> None:
-    modes = ("zero", "seg", "seg4k", "block", "delta-kernel zero", "seg loop", "seg4k loop")
+    modes = ("zero", "seg", "seg4k", "block", "delta-kernel zero")
     for batch, ctx in DECODE_SETS:
         rng = random.Random(5)
         lens = [ctx + rng.randint(-ctx // 16, ctx // 16) for _ in range(batch)]

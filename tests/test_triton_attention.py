@@ -127,8 +127,6 @@ BACKENDS = {
     "split": lambda: TritonBackend(SMALL, SMALL, split_programs=1000),
     "split-fused": lambda: TritonBackend(LaunchConfig(64, 16, 4, 1), SMALL, prerotate_prefill=False,
                                          split_programs=1000),
-    # decode rows with deltas rotate Q inside their one loop rather than one program per span
-    "loop-rotate": lambda: TritonBackend(SMALL, SMALL, decode_shares=False),
 }
 
 

@@ -47,7 +47,7 @@ def _pow2_at_least(x: int, lo: int) -> int:
 class TritonBackend(AttentionBackend):
     def __init__(self, prefill: LaunchConfig = PREFILL, decode: LaunchConfig = DECODE,
                  prerotate_prefill: bool = True, split_programs: int | None = None,
-                 dense_prefill: int | None = None, decode_shares: bool = True):
+                 dense_prefill: int | None = None):
         """`prerotate_prefill`: when some span of the prefill launch rotates, copy its keys
         (rotated) into a contiguous scratch once per layer, instead of rotating Q per span inside
         the kernel.
@@ -55,15 +55,12 @@ class TritonBackend(AttentionBackend):
         programs (all KV heads together); None = two per SM on CUDA, 0 = never split.
         `dense_prefill`: rows of at least this many queries that attend only to their own new keys
         (a fresh prompt) go to torch's fused attention (`dense.py`) on dense K/V; None = 1024 on
-        CUDA, 0 = never.
-        `decode_shares`: a decode launch with deltas runs one program per (row, span), each
-        rotating Q once, merged by the combine pass, rather than rotating Q inside one loop per row."""
+        CUDA, 0 = never."""
         self.prefill_cfg = prefill
         self.decode_cfg = decode
         self.prerotate_prefill = prerotate_prefill
         self.split_programs = split_programs
         self.dense_prefill = dense_prefill
-        self.decode_shares = decode_shares
 
     def prepare(self, plan: AttentionPlan, rotary: Rotary, block_size: int) -> StepLayout:
         return build_layout(plan, rotary.inv_freq)
@@ -75,7 +72,7 @@ class TritonBackend(AttentionBackend):
         dev = prepared.key_slots.device
         return prepared.launches(dec_m // G, self.decode_cfg.block_n, pre_m // G,
                                  self.prefill_cfg.block_n, self.prerotate_prefill,
-                                 self._split_policy(dev, kvh), self._dense_min(dev), self.decode_shares)
+                                 self._split_policy(dev, kvh), self._dense_min(dev))
 
     def _dense_min(self, dev: torch.device) -> int:
         if self.dense_prefill is not None:
@@ -170,7 +167,7 @@ def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_
         qk_scale,
         G=G, D=D, BLOCK_M=block_m, BLOCK_N=cfg.block_n, NUM_FIELDS=NUM_FIELDS,
         HAS_DELTA=launch.fused_delta, KEEP_Q=block_m <= _KEEP_Q_ROWS, K_SCRATCH=pre is not None,
-        HAS_PLUS=lay.has_plus, PREC=prec, SPLIT=launch.split > 1, Q_ROT=launch.q_rot,
+        HAS_PLUS=lay.has_plus, PREC=prec, SPLIT=launch.split > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if launch.split > 1:

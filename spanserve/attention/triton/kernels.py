@@ -25,7 +25,6 @@ F_MIN_T = tl.constexpr(layout.F_MIN_T)
 F_SPLIT = tl.constexpr(layout.F_SPLIT)
 F_LOC0 = tl.constexpr(layout.F_LOC0)
 F_SCRATCH_BASE = tl.constexpr(layout.F_SCRATCH_BASE)
-F_QDELTA = tl.constexpr(layout.F_QDELTA)
 
 
 @triton.jit
@@ -38,7 +37,7 @@ def attention_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_FIELDS: tl.constexpr, HAS_DELTA: tl.constexpr, KEEP_Q: tl.constexpr,
     K_SCRATCH: tl.constexpr, HAS_PLUS: tl.constexpr, PREC: tl.constexpr,
-    SPLIT: tl.constexpr, Q_ROT: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """One program: up to BLOCK_M // G query tokens of one row times the G query heads that share
     KV head `program_id(1)`, packed along M so every K/V tile is loaded once for all G heads.
@@ -47,7 +46,7 @@ def attention_kernel(
     (from Q and swap(Q) kept in registers if KEEP_Q, else re-read), so the loop itself only adds one
     pipelined scalar load and a compare. K_SCRATCH: k_cache_ptr is the launch's prerotated K
     scratch, holding the row's keys in order from F_SCRATCH_BASE; V is read through the slots.
-    Q_ROT: the program is a span share (F_QDELTA). SPLIT: the program covers one share of
+    SPLIT: the program covers one share of
     its query block's tiles and writes its normalized output and log2-sum-exp to the partial
     buffers [split, launch-local token, head], for `combine_kernel`."""
     HALF: tl.constexpr = D // 2
@@ -73,15 +72,6 @@ def attention_kernel(
     q_ptrs = q_ptr + (tok.to(tl.int64) * stride_qt + head * stride_qh)[:, None] + dd[None, :]
     swap_ptrs = q_ptrs + tl.where(dd < HALF, HALF, -HALF)[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    if Q_ROT:
-        # A span share: all its keys have one delta, so Q is rotated once here and the loop
-        # below is the plain one.
-        qd = tl.load(desc + F_QDELTA)
-        if qd != 0:
-            ang = qd.to(tl.float32) * tl.load(inv_freq_ptr + dd % HALF)
-            sn = tl.sin(ang) * tl.where(dd < HALF, 1.0, -1.0)
-            q_sw = tl.load(swap_ptrs, mask=row_ok[:, None], other=0.0)
-            q = (q.to(tl.float32) * tl.cos(ang)[None, :] + q_sw.to(tl.float32) * sn[None, :]).to(q.dtype)
     if HAS_DELTA:
         freq = tl.load(inv_freq_ptr + dd % HALF)
         # R(-d) q = q cos + swap(q) sin * (+1 on the first half, -1 on the second).

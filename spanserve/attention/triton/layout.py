@@ -38,7 +38,6 @@ F_PART0 = 3  # klo, khi, tile_lo, tile_hi of part 0 (anchor prefix); part 1 foll
 F_MIN_ANCHOR, F_MAX_SEG, F_MIN_T = 11, 12, 13
 F_SPLIT, F_LOC0 = 14, 15  # split launches: which split of its query block, launch-local index of tok0
 F_SCRATCH_BASE = 16  # prerotated launches: the row's first key in the launch's K scratch
-F_QDELTA = 17  # span-share launches: the one delta every key of the program's share has
 NUM_FIELDS = 32  # a descriptor row is 128 bytes
 
 
@@ -79,7 +78,6 @@ class Launch:
     # results for the launch's tokens (`tokens`, flat indices), merged by a combine pass
     split: int = 1
     tokens: torch.Tensor | None = None
-    q_rot: bool = False  # span shares: each program rotates Q once, by F_QDELTA, before its loop
 
 
 @dataclass
@@ -99,21 +97,19 @@ class StepLayout:
     _launches: dict[tuple, tuple[Launch, Launch]] = field(default_factory=dict)
 
     def launches(self, small_q: int, small_n: int, big_q: int, big_n: int, prerotate_big: bool,
-                 split: "SplitPolicy | None" = None, dense_min: int = 0,
-                 small_shares: bool = False) -> tuple[Launch, Launch]:
+                 split: "SplitPolicy | None" = None, dense_min: int = 0) -> tuple[Launch, Launch]:
         """The two launches: rows of at most `small_q` queries (decodes) get programs of `small_q`
         tokens and tiles of `small_n` keys, fused rotation; the rest `big_q` and `big_n`, with
         their rotation done beforehand when `prerotate_big`, split along keys per `split`.
-        Rows of `dense_rows(dense_min)` are in neither (0: none are left out). `small_shares`:
-        the decode launch, when it rotates, gets one program per span (`_span_shares`)."""
+        Rows of `dense_rows(dense_min)` are in neither (0: none are left out)."""
         if self.fixed is not None:
             return self.fixed
-        key = (small_q, small_n, big_q, big_n, prerotate_big, split, dense_min, small_shares)
+        key = (small_q, small_n, big_q, big_n, prerotate_big, split, dense_min)
         if key not in self._launches:
             small = [r for r in self.rows if r.q_end - r.q_start <= small_q]
             big = [r for r in self.rows if r.q_end - r.q_start > small_q and not _fresh(r, dense_min)]
             pre = prerotate_big if self.has_delta else False
-            self._launches[key] = (_describe(small, small_q, small_n, self, False, span_shares=small_shares),
+            self._launches[key] = (_describe(small, small_q, small_n, self, False),
                                    _describe(big, big_q, big_n, self, pre, split))
         return self._launches[key]
 
@@ -291,52 +287,11 @@ class HostLaunch:
     tokens: np.ndarray | None  # split launches: flat token of each launch-local index
     rot_keys: np.ndarray | None  # prerotated launches: the step's key index of each scratch row
     rot_delta: np.ndarray | None
-    q_rot: bool = False
-
-
-def _span_shares(d: np.ndarray, r: _RowHost, ts: np.ndarray, te: np.ndarray, tile0: int) -> np.ndarray:
-    """Each descriptor of row r cut into one share per span of the row (share s = span s, its
-    parts clamped to the span), block-major; F_QDELTA = the span's delta."""
-    S = len(r.span_starts)
-    out = np.repeat(d, S, axis=0)
-    s = np.tile(np.arange(S), len(d))
-    lo, hi = r.span_starts[s], r.span_ends[s]
-    for p in range(2):
-        b = F_PART0 + 4 * p
-        klo = np.maximum(out[:, b], lo)
-        khi = np.maximum(np.minimum(out[:, b + 1], hi), klo)
-        jlo = np.searchsorted(te, klo, side="right")
-        jhi = np.where(khi > klo, np.maximum(np.searchsorted(ts, khi, side="left"), jlo), jlo)
-        out[:, b], out[:, b + 1], out[:, b + 2], out[:, b + 3] = klo, khi, tile0 + jlo, tile0 + jhi
-    out[:, F_SPLIT], out[:, F_QDELTA] = s, r.span_delta[s]
-    return out
-
-
-def _pad_shares(parts: list[np.ndarray], spans: list[int], ways: int) -> list[np.ndarray]:
-    """Every query block gets `ways` shares: the missing ones see no key (they write an empty
-    partial result, which weighs nothing in the combine)."""
-    out = []
-    for d, S in zip(parts, spans):
-        out.append(d)
-        if S < ways:
-            blocks = d[::S]
-            pad = np.repeat(blocks, ways - S, axis=0)
-            for p in range(2):
-                b = F_PART0 + 4 * p
-                pad[:, b:b + 4] = 0
-            pad[:, F_SPLIT] = np.tile(np.arange(S, ways), len(blocks))
-            pad[:, F_QDELTA] = 0
-            out.append(pad)
-    return out
 
 
 def _describe_host(rows: list[_RowHost], bq: int, bn: int, prerotate: bool,
-                   split: SplitPolicy | None = None, fixed_ways: bool = False,
-                   span_shares: bool = False) -> HostLaunch:
-    """`span_shares` (fused launches with some non-zero delta): one program per (query block,
-    span), each rotating Q once, merged by the combine pass, so no loop rotates anything."""
+                   split: SplitPolicy | None = None, fixed_ways: bool = False) -> HostLaunch:
     out: list[np.ndarray] = []
-    shares = span_shares and not prerotate and any(r.span_delta.any() for r in rows)
     tiles: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     rot_keys: list[np.ndarray] = []
     rot_delta: list[np.ndarray] = []
@@ -375,40 +330,35 @@ def _describe_host(rows: list[_RowHost], bq: int, bn: int, prerotate: bool,
         d[:, F_LOC0] = n_tok + starts
         d[:, F_SCRATCH_BASE] = n_scratch
         n_scratch += r.n_keys if prerotate else 0
-        out.append(_span_shares(d, r, ts, te, n_tiles) if shares else d)
+        out.append(d)
         n_tiles += len(ts)
         n_tok += nq
 
     def cat(parts: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-    ways = 1
-    if shares:
-        spans = [len(r.span_starts) for r in rows]
-        ways = max(spans)
-        out = _pad_shares(out, spans, ways)
     desc = np.concatenate(out) if out else np.zeros((0, NUM_FIELDS), dtype=np.int64)
-    if split is not None and len(desc) and not shares:
+    ways = 1
+    if split is not None and len(desc):
         ways = split.ways(len(desc), None if fixed_ways else int(_tile_counts(desc).max()))
     tokens = None
     if ways > 1:
-        if not shares:
-            desc = _split(desc, ways)
+        desc = _split(desc, ways)
         tokens = cat([np.arange(r.q_start, r.q_end) for r in rows])
     # Longest programs first, so the causal tail does not run alone at the end of the launch.
     desc = desc[np.argsort(-_tile_counts(desc), kind="stable")]
     tile_delta = cat([t[2] for t in tiles])
     return HostLaunch(desc, cat([t[0] for t in tiles]), cat([t[1] for t in tiles]), tile_delta,
-                      bool(tile_delta.any()) and not shares, ways, tokens,
-                      cat(rot_keys) if rot_keys else None, cat(rot_delta) if rot_keys else None, shares)
+                      bool(tile_delta.any()), ways, tokens,
+                      cat(rot_keys) if rot_keys else None, cat(rot_delta) if rot_keys else None)
 
 
 def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate: bool,
-              split: SplitPolicy | None = None, span_shares: bool = False) -> Launch:
+              split: SplitPolicy | None = None) -> Launch:
     dev = lay.key_slots.device
     if not rows:
         return empty_launch(dev)
-    h = _describe_host(rows, bq, bn, prerotate, split, span_shares=span_shares)
+    h = _describe_host(rows, bq, bn, prerotate, split)
 
     def dev32(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a.astype(np.int32)).to(dev)
@@ -418,4 +368,4 @@ def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate
         keys = torch.from_numpy(h.rot_keys).to(dev)
         pre = Prerotation(lay.key_slots[keys].contiguous(), dev32(h.rot_delta))
     return Launch(dev32(h.desc).view(-1, NUM_FIELDS), dev32(h.tile_start), dev32(h.tile_end), dev32(h.tile_delta),
-                  h.fused_delta, pre, h.split, None if h.tokens is None else dev32(h.tokens), h.q_rot)
+                  h.fused_delta, pre, h.split, None if h.tokens is None else dev32(h.tokens))
