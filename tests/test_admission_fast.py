@@ -1,5 +1,6 @@
 """The warm-admission fast paths against the plain ones on random inputs: token checking through
-marshal, the pool's chain memo, the wholly cached plan shortcut and block tables as columns."""
+marshal (one segment or all at once), the pool's chain memo (and its seeding on release), the
+partial-block index, inlined acquire, the wholly cached plan shortcut and block tables as columns."""
 from __future__ import annotations
 
 import enum
@@ -14,7 +15,7 @@ from spanserve.cache import hashing
 from spanserve.cache.block_pool import Block, BlockPool
 from spanserve.cache.manager import CacheManager, _Plan
 from spanserve.cache.table import Entry, delta_array, slot_array, truncate
-from spanserve.engine.layout import Piece, checked_tokens
+from spanserve.engine.layout import Piece, Segment, checked_many, checked_tokens, resolve
 from spanserve.engine.request import Request
 from spanserve.engine.sampling import SamplingParams
 from spanserve.reuse.policies import resolve_policy
@@ -66,6 +67,43 @@ def test_checked_tokens_any_container(ids, kind):
     toks, packed = checked_tokens(box, VOCAB)
     assert list(toks) == ids and all(type(t) is int for t in toks)
     assert packed == np.asarray(ids, dtype="<i4").tobytes()
+
+
+IDS = st.lists(st.one_of(st.integers(0, VOCAB - 1), ODD), max_size=12)
+
+
+@given(st.lists(st.one_of(IDS, st.lists(st.integers(0, VOCAB - 1), max_size=30)), max_size=6), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_checked_many_matches_one_by_one(idss, as_tuple):
+    if as_tuple and idss:
+        idss[0] = tuple(idss[0])
+    got = checked_many(idss, VOCAB)
+    try:
+        want = [checked_tokens(ids, VOCAB) for ids in idss]
+    except ValueError:
+        assert got is None  # the caller goes one by one and raises there
+        return
+    if got is None:  # allowed only where the shortcut cannot tell exact ints (not a list)
+        assert any(type(ids) is not list for ids in idss) or any(type(x) is not int for ids in idss for x in ids)
+        return
+    assert got == want and all(type(t) is int for toks, _ in got for t in toks)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["cross", "plus"]), st.one_of(IDS, st.lists(st.integers(0, VOCAB - 1)))),
+                min_size=1, max_size=5), st.sampled_from(["none", "full"]))
+@settings(max_examples=200, deadline=None)
+def test_resolve_checks_all_segments_at_once(segs, policy):
+    """resolve with check_all (what the engine passes) against one check per segment: the same
+    pieces with the same packed bytes, or the same error."""
+    layout = [Segment(token_ids=ids, kind=kind) for kind, ids in segs]
+
+    def run(**kw):
+        try:
+            return [(p, p.packed) for p in resolve(layout, None, policy, check=lambda ids: checked_tokens(ids, VOCAB), **kw)]
+        except ValueError as e:
+            return str(e)
+
+    assert run(check_all=lambda idss: checked_many(idss, VOCAB)) == run()
 
 
 # ---- the pool's chain memo -------------------------------------------------------------------
@@ -132,6 +170,96 @@ def test_chain_memo_needs_the_same_tokens_and_keys():
     assert pool.lookup_chain(keys, toks, bs, _packed(toks)) == whole
 
 
+# ---- the pool: partial index, chain memo seeded on release, inlined acquire -----------------------
+def scan_partial(pool: BlockPool, parent: int, toks, longest: int):
+    """The partial probe as it was: every cached partial block of the parent, compared."""
+    best, got = None, 0
+    for b in pool.partials(parent):
+        n = len(b.tokens)
+        if got < n <= longest and b.tokens == tuple(toks[:n]):
+            best, got = b, n
+    return best, got
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_pool_fast_paths_match_plain(seed):
+    """Random registration (whole and partial blocks, forged keys: collisions), eviction,
+    reallocation; after each op: the length-indexed partial probe equals the scan, a seeded
+    chain memo answers as block-by-block lookups, and inlined acquire_many moves the free list
+    as acquire() does."""
+    rng = random.Random(seed)
+    bs, pool = 3, BlockPool(48)
+    parents = [hashing.seed("p", i) for i in range(3)]
+    chains = []
+    for s in range(5):
+        toks = tuple(rng.randrange(4) for _ in range(rng.randrange(4, 8) * bs))
+        chains.append((hashing.chain_keys(s, toks, bs), toks))
+    for _ in range(120):
+        op = rng.random()
+        keys, toks = rng.choice(chains)
+        if op < 0.25 and pool.num_free:  # a partial block, maybe under a key not its own
+            parent, n = rng.choice(parents), rng.randrange(1, bs)
+            t = tuple(rng.randrange(3) for _ in range(n))
+            key = hashing.block_key(parent, t) if rng.random() < 0.8 else rng.randrange(1 << 64)
+            b = pool.allocate()
+            pool.register(b, key, t, parent=parent)
+            pool.release(b)
+        elif op < 0.5 and pool.num_free >= 2 * len(keys):  # a chain published, then remembered
+            mine = []
+            for i, k in enumerate(keys):
+                if rng.random() < 0.1 and k not in pool._index:  # another holder, other tokens
+                    other = pool.allocate()
+                    pool.register(other, k, (9,) * bs)
+                    pool.release(other)
+                b = pool.allocate()
+                pool.register(b, k, toks[i * bs:(i + 1) * bs])  # first writer wins
+                mine.append(b)
+            pool.remember_chain(keys, toks, bs, _packed(toks), mine)
+            pool.release_many(mine)
+        elif op < 0.6 and pool.num_free:
+            pool.allocate()  # held from now on; may evict
+        elif op < 0.75:
+            cached = [b for b in pool.free_blocks() if b.key is not None]
+            if cached:
+                pool.evict(rng.choice(cached))
+        for parent in parents:
+            for n in range(1, bs):
+                t = tuple(rng.randrange(3) for _ in range(bs))
+                got, want = pool.longest_partial(parent, t, n), scan_partial(pool, parent, t, n)
+                # blocks of equal tokens under one parent (forged keys only) are interchangeable
+                assert got[1] == want[1] and (got[0] is None) == (want[0] is None)
+                assert got[0] is want[0] or (got[0].tokens == want[0].tokens and got[0].parent == parent)
+        for k, t in chains:
+            assert pool.lookup_chain(k, t, bs, _packed(t)) == pool.lookup_chain(k, t, bs)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_acquire_many_matches_acquire(seed):
+    pools = [BlockPool(24), BlockPool(24)]
+    for many, pool in zip((True, False), pools):
+        rng = random.Random(seed)
+        held = []
+        for step in range(60):
+            if rng.random() < 0.4 and pool.num_free:
+                b = pool.allocate()
+                if rng.random() < 0.5:
+                    pool.register(b, step, (step,))
+                held.append(b)
+            elif rng.random() < 0.5 and held:
+                pool.release(held.pop(rng.randrange(len(held))))
+            else:
+                picks = [rng.choice(pool.blocks) for _ in range(rng.randrange(8))]
+                if many:
+                    pool.acquire_many(picks)
+                else:
+                    for b in picks:
+                        pool.acquire(b)
+                held += picks
+    a, b = pools
+    assert [x.id for x in a.free_blocks()] == [x.id for x in b.free_blocks()] and a.num_free == b.num_free
+    assert [x.ref_cnt for x in a.blocks] == [x.ref_cnt for x in b.blocks]
+
+
 # ---- admission: memo and plan shortcut against the plain path ----------------------------------
 class _Storage:
     def copy(self, src: int, dst: int, n: int) -> None:
@@ -158,7 +286,7 @@ def reference_plan(m: CacheManager, seed: int, tokens, keys: list[int], extended
             continue
         shared.append(None)
         keep = len(toks) - 1 if (extended and last) else len(toks)
-        copies[i] = (hit, keep) if hit is not None else m._probe_partial(parent, toks, min(keep, len(toks) - 1))
+        copies[i] = (hit, keep) if hit is not None else scan_partial(pool, parent, toks, min(keep, len(toks) - 1))
     return _Plan(shared, copies)
 
 
@@ -211,7 +339,7 @@ def test_admission_with_and_without_packed_tokens(seed, policy):
             req = Request(f"r{step}", ids, SamplingParams(), pieces=pieces, policy=pol)
             for u in m._units(req, pieces):
                 want = reference_plan(m, u.seed, u.tokens, u.keys, u.final)
-                assert m._plan_unit(u.seed, u.tokens, u.keys, u.final, u.packed) == want
+                assert m._plan_unit(u.seed, u.tokens, u.keys, u.final, u.packed, u.tail_key) == want
             reqs.append((m, req, m.admit(req)))
         (ma, ra, oka), (mb, rb, okb) = reqs
         assert oka == okb

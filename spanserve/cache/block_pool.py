@@ -42,8 +42,11 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._index: dict[int, Block] = {}
         # parent key -> the cached partial blocks that extend it (a unit that ended inside a
-        # block left a prefix of it behind): probing a missed block is one dict lookup.
+        # block left a prefix of it behind), and the same blocks by (parent, tokens): a probe
+        # tries prefix lengths, one dict lookup each, however many partials share the parent
+        # (every short plain-seeded prompt shares the plain seed).
         self._partials: dict[int, set[Block]] = {}
+        self._partial_at: dict[tuple[int, tuple[int, ...]], list[Block]] = {}
         # Sentinels remove every empty-list / end-of-list special case from link code.
         self._head = Block(-1)
         self._tail = Block(-1)
@@ -97,6 +100,10 @@ class BlockPool:
             kids.discard(block)
             if not kids:
                 del self._partials[block.parent]
+            same = self._partial_at[(block.parent, block.tokens)]
+            same.remove(block)
+            if not same:
+                del self._partial_at[(block.parent, block.tokens)]
             block.parent = None
         block.key = None
         block.tokens = ()
@@ -134,6 +141,19 @@ class BlockPool:
         kids = self._partials.get(parent)
         return tuple(kids) if kids else ()
 
+    def longest_partial(self, parent: int, tokens: Sequence[int], longest: int) -> tuple[Block | None, int]:
+        """The cached partial block under `parent` holding the longest prefix of `tokens` of at
+        most `longest` tokens, and that length; (None, 0) if none."""
+        if parent not in self._partials:
+            return None, 0
+        at = self._partial_at
+        toks = tuple(tokens[:longest])
+        for n in range(len(toks), 0, -1):
+            same = at.get((parent, toks[:n]))
+            if same:
+                return same[0], n
+        return None, 0
+
     def lookup_chain(self, keys: Sequence[int], tokens: Sequence[int], block_size: int,
                      packed: bytes | None = None) -> list[Block | None]:
         """lookup() of consecutive full blocks of `tokens` under their chain keys, in one pass.
@@ -164,6 +184,26 @@ class BlockPool:
             self._remember(keys, packed, tuple(out))  # type: ignore[arg-type]
         return out
 
+    def remember_chain(self, keys: Sequence[int], tokens: Sequence[int], block_size: int, packed: bytes,
+                       blocks: Sequence[Block]) -> None:
+        """Seed the chain memo with a chain the caller just published: `blocks` are its own
+        blocks for `keys` over `tokens` (`packed`: the same as int32 LE), each registered with
+        those tokens or found by lookup, and held. Where a key's holder is the caller's block
+        its tokens are known; only other holders (first writer won) are compared. A finished
+        generation does this on release, so the judge that reads it next compares nothing."""
+        n = len(keys)
+        if n < _CHAIN_MIN_BLOCKS or len(blocks) < n:
+            return
+        get = self._index.get
+        out = []
+        for i, key in enumerate(keys):
+            holder = get(key)
+            if holder is None or (holder is not blocks[i]
+                                  and holder.tokens != tuple(tokens[i * block_size:(i + 1) * block_size])):
+                return
+            out.append(holder)
+        self._remember(keys, packed[: 4 * n * block_size], tuple(out))
+
     def _remember(self, keys: Sequence[int], packed: bytes, blocks: tuple[Block, ...]) -> None:
         old = self._chains.pop(keys[-1], None)
         self._chains_bytes += len(packed) - (len(old.packed) if old is not None else 0)
@@ -178,10 +218,15 @@ class BlockPool:
 
     def acquire_many(self, blocks: Iterable[Block]) -> None:
         """acquire() of each block in order (inlined: a warm request holds thousands)."""
+        n_free = self._num_free
         for block in blocks:
-            if block.ref_cnt == 0:
-                self._unlink(block)
+            if block.ref_cnt == 0:  # _unlink, inlined
+                block.prev.next = block.next  # type: ignore[union-attr]
+                block.next.prev = block.prev  # type: ignore[union-attr]
+                block.prev = block.next = None
+                n_free -= 1
             block.ref_cnt += 1
+        self._num_free = n_free
 
     def release(self, block: Block) -> None:
         if block.ref_cnt <= 0:
@@ -218,6 +263,9 @@ class BlockPool:
         if parent is not None:
             block.parent = parent
             self._partials.setdefault(parent, set()).add(block)
+            # one block per (parent, tokens) when keys are block_key(parent, tokens), as the
+            # cache manager's are; a list keeps any other caller's duplicates findable
+            self._partial_at.setdefault((parent, block.tokens), []).append(block)
         if block.ref_cnt == 0:
             # Keep the "uncached before cached" order: it becomes most recently freed.
             self._unlink(block)

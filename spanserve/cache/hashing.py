@@ -6,6 +6,7 @@ its own tokens. Keys are plain Python ints < 2**128 so they can be dict keys.
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -38,6 +39,14 @@ def _len8(n: int) -> bytes:
 
 
 def _encode_part(part: bytes | str | int | Sequence[int]) -> bytes:
+    # exact ints and strs first: every span link is a seed of ints and short repeated strings,
+    # hashed per unit per admission (a bool or numpy int takes the general path below)
+    t = type(part)
+    if t is int:
+        payload = part.to_bytes((part.bit_length() + 8) // 8, "little", signed=True)  # type: ignore[union-attr]
+        return _PART_INT + _len8(len(payload)) + payload
+    if t is str:
+        return _encode_str(part)  # type: ignore[arg-type]
     if isinstance(part, (bytes, bytearray, memoryview)):
         tag, payload = _PART_BYTES, bytes(part)
     elif isinstance(part, str):
@@ -52,9 +61,15 @@ def _encode_part(part: bytes | str | int | Sequence[int]) -> bytes:
     return tag + _len8(len(payload)) + payload
 
 
+@functools.lru_cache(maxsize=1024)
+def _encode_str(part: str) -> bytes:
+    payload = part.encode("utf-8")
+    return _PART_STR + _len8(len(payload)) + payload
+
+
 def seed(namespace: str = "", *parts: bytes | str | int | Sequence[int]) -> int:
     """Start of a unit's chain. seed("") is the plain-prompt seed."""
-    data = _SEED_TAG + _encode_part(namespace) + b"".join(_encode_part(p) for p in parts)
+    data = _SEED_TAG + _encode_part(namespace) + b"".join([_encode_part(p) for p in parts])
     return _h(data)
 
 
@@ -70,9 +85,12 @@ def block_key(parent: int, tokens: Sequence[int], extra: bytes = b"") -> int:
 
 
 def chain_keys(
-    seed: int, tokens: Sequence[int], block_size: int, include_partial: bool = False
+    seed: int, tokens: Sequence[int], block_size: int, include_partial: bool = False, known: Sequence[int] = ()
 ) -> list[int]:
-    """Keys of consecutive blocks of `tokens`; a trailing partial block only if asked."""
+    """Keys of consecutive blocks of `tokens`; a trailing partial block only if asked.
+    `known`: keys of leading full blocks the caller already holds (trusted, not checked): a
+    finished generation hashed its blocks one by one as they filled, so only its tail is left
+    to hash, and a long unit's chain lands in the memo for the next reader (a judge)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     arr = np.asarray(tokens, dtype="<i4")  # encode once, slice per block
@@ -87,9 +105,9 @@ def chain_keys(
             _MEMO.move_to_end(memo_key)
             return list(hit)
     end = n if include_partial else n - n % block_size
-    keys: list[int] = []
-    parent = seed
-    for start in range(0, end, block_size):
+    keys = list(known[: n // block_size])
+    parent = keys[-1] if keys else seed
+    for start in range(len(keys) * block_size, end, block_size):
         blk = arr[start : start + block_size]
         parent = _block_key_raw(parent, blk.tobytes(), len(blk), b"")
         keys.append(parent)
@@ -98,6 +116,24 @@ def chain_keys(
         if len(_MEMO) > _MEMO_SIZE:
             _MEMO.popitem(last=False)
     return keys
+
+
+def unit_keys(seed: int, tokens: Sequence[int], block_size: int,
+              packed: bytes | None = None) -> tuple[list[int], int, int | None]:
+    """A unit's full-block chain keys, the digest of the whole unit (its partial tail included),
+    and the partial tail's key (the digest) or None. `packed`: the tokens as int32 LE."""
+    arr = tokens if packed is None else np.frombuffer(packed, "<i4")  # no second conversion
+    keys = chain_keys(seed, arr, block_size, include_partial=True)
+    if len(tokens) % block_size == 0:
+        return keys, keys[-1], None
+    return keys[:-1], keys[-1], keys[-1]
+
+
+def remember_chain(seed: int, tokens: Sequence[int], block_size: int, known: Sequence[int]) -> None:
+    """Memoize a long unit's chain as a segment reading it asks for it (partial tail included),
+    hashing only the blocks `known` lacks."""
+    if len(tokens) >= _MEMO_MIN_BLOCKS * block_size:
+        chain_keys(seed, tokens, block_size, include_partial=True, known=known)
 
 
 # Chains of recently hashed long units (LRU). Bounded: at most _MEMO_SIZE entries of one key per

@@ -4,7 +4,7 @@ that compute the holes, publishes computed blocks and releases them."""
 from __future__ import annotations
 
 import itertools
-import operator
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -14,7 +14,7 @@ import numpy as np
 from spanserve.cache import hashing
 from spanserve.cache.block_pool import Block, BlockPool
 from spanserve.cache.storage import KVStorage
-from spanserve.cache.table import Table, truncate
+from spanserve.cache.table import Table, build, grown, truncate
 from spanserve.engine.layout import Piece
 from spanserve.engine.request import Request, Task
 from spanserve.reuse.recompute import RecomputeSpec
@@ -28,9 +28,6 @@ class _Plan(NamedTuple):
 
     shared: list[Block | None]
     copies: dict[int, tuple[Block | None, int]]
-
-
-_ID = operator.attrgetter("id")
 
 
 @dataclass
@@ -53,6 +50,7 @@ class Unit:
     task: Task | None = None  # encode task of a plus unit with holes
     source: "Unit | None" = None  # under a selective policy: the shared segment this run recomputes
     packed: bytes | None = field(default=None, repr=False)  # the tokens as int32 LE, if the piece had them
+    tail_key: int | None = field(default=None, repr=False)  # key of a partial last block (hashed with the chain)
 
     @property
     def delta(self) -> int:
@@ -82,18 +80,14 @@ class CacheManager:
     def _probe_partial(self, parent: int, toks: Sequence[int], longest: int) -> tuple[Block | None, int]:
         """The cached block holding the longest prefix (<= longest tokens) of `toks`: a unit that
         ended inside this block (an earlier turn, a finished generation) left it behind."""
-        best, got = None, 0
-        for b in self.pool.partials(parent):
-            n = len(b.tokens)
-            if got < n <= longest and b.tokens == tuple(toks[:n]):
-                best, got = b, n
-        return best, got
+        return self.pool.longest_partial(parent, toks, longest)
 
     def _plan_unit(self, seed: int, tokens: Sequence[int], keys: list[int], extended: bool,
-                   packed: bytes | None = None) -> _Plan:
+                   packed: bytes | None = None, tail_key: int | None = None) -> _Plan:
         """Never stops at the first miss: a chained key after a gap still hits (perforated).
         An `extended` unit (generation continues it; its final token's logits are needed) keeps
-        its last block private: copied from a hit, never shared."""
+        its last block private: copied from a hit, never shared. `tail_key`: the partial last
+        block's key if the caller has it. `copies` is filled in block order (admit relies on it)."""
         bs = self.block_size
         n_blocks = -(-len(tokens) // bs)
         hits = self.pool.lookup_chain(keys, tokens, bs, packed)  # the full blocks, in one pass
@@ -111,7 +105,10 @@ class CacheManager:
             toks = tokens[i * bs:(i + 1) * bs]
             parent = keys[i - 1] if i else seed
             last = i == n_blocks - 1
-            key = keys[i] if len(toks) == bs else hashing.block_key(parent, toks)
+            if len(toks) == bs:
+                key = keys[i]
+            else:
+                key = tail_key if tail_key is not None else hashing.block_key(parent, toks)
             hit = self.pool.lookup(key, toks)
             if hit is not None and not (extended and last):
                 shared[i] = hit
@@ -141,12 +138,12 @@ class CacheManager:
                 # anchor none: exactly a plain causal encoding, so finished generations hit it
                 seed = plain if p.anchor_len == 0 else hashing.seed(ns, "anchor", prefix[: p.anchor_len])
                 seg = Unit(seed, p.start, p.anchor_len, True, final, toks, packed=p.packed)
-                seg.keys, digest = _keys(seed, toks, bs, p.packed)
+                seg.keys, digest, seg.tail_key = hashing.unit_keys(seed, toks, bs, p.packed)
             if seg is not None and not selective:
                 u = seg
             else:  # the request's own run; a recomputed segment's KV is request-specific too
                 u = Unit(link, p.start, p.start, False, final, toks, source=seg, packed=p.packed)
-                u.keys, digest = _keys(link, toks, bs, p.packed)
+                u.keys, digest, u.tail_key = hashing.unit_keys(link, toks, bs, p.packed)
             # whatever follows depends on this unit's content and place: chain it into the link
             link = hashing.seed(ns, "span", policy_key, link, digest, p.start, p.anchor_len)
             units.append(u)
@@ -156,7 +153,7 @@ class CacheManager:
         """Give a waiting request its blocks and tasks. False (and nothing changed) when the pool
         cannot hold it now."""
         units = self._units(req, req.current_pieces())
-        plans = [self._plan_unit(u.seed, u.tokens, u.keys, u.final, u.packed) for u in units]
+        plans = [self._plan_unit(u.seed, u.tokens, u.keys, u.final, u.packed, u.tail_key) for u in units]
         sources: list[Unit] = []
         if any(u.source is not None for u in units) and not _all_hit(units, plans, self.block_size):
             # The policy recomputes from the shared copies: every run from the first recomputed
@@ -167,7 +164,7 @@ class CacheManager:
                 plans[i] = _Plan([None] * n, dict.fromkeys(range(n), (None, 0)))
             sources = [u.source for u in units if u.source is not None]
         units_all = units + sources
-        plans += [self._plan_unit(u.seed, u.tokens, u.keys, False, u.packed) for u in sources]
+        plans += [self._plan_unit(u.seed, u.tokens, u.keys, False, u.packed, u.tail_key) for u in sources]
         touched = _touched(plans)
         self.pool.acquire_many(touched)  # hold hits and copy sources so allocation cannot evict them
         eager = [i for i, (u, plan) in enumerate(zip(units, plans)) if self.reposition == "eager"
@@ -182,36 +179,38 @@ class CacheManager:
         contiguous = True
         bs = self.block_size
         for u, plan in zip(units_all, plans):
-            n_blocks = len(plan.shared)
-            if not plan.copies:  # wholly cached: no per-block work
-                req.held.extend(plan.shared)  # type: ignore[arg-type]
-                u.blocks.extend(plan.shared)  # type: ignore[arg-type]
-                u.n_valid.extend([bs] * (n_blocks - 1) + [len(u.tokens) - (n_blocks - 1) * bs])
-                reuse["segment" if u.plus else ("prefix" if contiguous else "perforated")] += len(u.tokens)
-                continue
-            for i, b in enumerate(plan.shared):
+            done = 0  # blocks of u placed so far; the hits between copies go in bulk
+            for i, (src, copy_n) in plan.copies.items():
+                reuse[_kind(u, contiguous)] += _place_hits(req.held, u, plan.shared, done, i, bs)
                 n_tok = min(bs, len(u.tokens) - i * bs)
-                if b is not None:
-                    got = n_tok
-                else:
-                    src, copy_n = plan.copies[i]
-                    b = self.pool.allocate()
-                    if src is not None:
-                        self.storage.copy(src.id, b.id, copy_n)
-                        self.pool.release(src)
-                    u.fresh.append(i)
-                    got = copy_n
-                    u.todo.extend(range(i * bs + got, i * bs + n_tok))
+                b = self.pool.allocate()
+                if src is not None:
+                    self.storage.copy(src.id, b.id, copy_n)
+                    self.pool.release(src)
+                u.fresh.append(i)
+                u.todo.extend(range(i * bs + copy_n, i * bs + n_tok))
                 req.held.append(b)
                 u.blocks.append(b)
                 u.n_valid.append(n_tok)
-                kind = "segment" if u.plus else ("prefix" if contiguous else "perforated")
-                reuse[kind] += got
-                contiguous = contiguous and got == n_tok
+                reuse[_kind(u, contiguous)] += copy_n
+                contiguous = contiguous and copy_n == n_tok
+                done = i + 1
+            reuse[_kind(u, contiguous)] += _place_hits(req.held, u, plan.shared, done, len(plan.shared), bs)
             if u.source is None or not sources:  # a recomputed run is counted by its source
                 reuse["computed"] += len(u.todo)
-        for i in eager:
-            self._reposition(req, units[i])
+        if eager:
+            dropped: Counter[Block] = Counter()
+            for i in eager:
+                dropped.update(self._reposition(units[i]))
+            # each repositioned unit gave up the first holds of its blocks (a segment placed twice
+            # holds them twice) and its copies went to the end: one pass instead of list.remove
+            kept = []
+            for b in req.held:
+                if dropped[b]:
+                    dropped[b] -= 1
+                else:
+                    kept.append(b)
+            req.held = kept + [b for i in eager for b in units[i].blocks]
         if req.num_preemptions == 0:  # a resumed request reports how it was first served
             req.reuse = reuse
         req.units = units
@@ -219,15 +218,16 @@ class CacheManager:
         req.tasks = self._tasks(req, units, sources)
         return True
 
-    def _reposition(self, req: Request, u: Unit) -> None:
-        """Replace a hit segment's shared blocks by private copies rotated to its position."""
+    def _reposition(self, u: Unit) -> list[Block]:
+        """Replace a hit segment's shared blocks by private copies rotated to its position;
+        returns the shared blocks (the caller swaps them for the copies in the request's holds)."""
         copies = [self.pool.allocate() for _ in u.blocks]
         self.storage.copy_rotated([b.id for b in u.blocks], [b.id for b in copies], u.delta, self.rotary)
-        for b in u.blocks:
-            req.held.remove(b)
+        old = u.blocks
+        for b in old:
             self.pool.release(b)
-        req.held.extend(copies)
         u.blocks, u.local_start = copies, u.start
+        return old
 
     def _tasks(self, req: Request, units: list[Unit], sources: list[Unit]) -> list[Task]:
         """Main-row work before the first plus unit, then each plus unit's encoding (it may read
@@ -244,12 +244,20 @@ class CacheManager:
         if first_plus < len(units) and before:
             tasks.append(Task(tokens, entries, before, bs, main=True))
         anchor_entries = entries[: sum(len(u.blocks) for u in units[:first_plus])]
+        # a judge over just finished generations encodes each one's last token: a segment's
+        # rows are cut from the main table (not rebuilt), its anchor truncated once per length
+        starts = dict(zip(map(id, units), itertools.accumulate((len(u.blocks) for u in units), initial=0)))
+        heads: dict[int, Table] = {}
         for u in units + sources:
             if u.plus and u.todo:
                 a = u.local_start
-                seg_entries = _table([u], local=True)
-                u.task = Task(tokens[:a] + list(u.tokens), np.concatenate([truncate(anchor_entries, a), seg_entries]),
-                              [a + p for p in u.todo], bs)
+                if a not in heads:
+                    heads[a] = truncate(anchor_entries, a)
+                at = starts.get(id(u))
+                seg = _table([u], local=True) if at is None else entries[at:at + len(u.blocks)]
+                table = np.concatenate([heads[a], seg])
+                table[len(heads[a]):, 1] = 0  # its own encoding reads it at local positions
+                u.task = Task(tokens[:a] + list(u.tokens), table, [a + p for p in u.todo], bs)
                 tasks.append(u.task)
         main_todo = after if first_plus < len(units) else before
         spec = None
@@ -277,6 +285,7 @@ class CacheManager:
         n_new = -(-(need - grow) // bs)
         if self.pool.num_free < n_new:
             return False
+        old, n_old = task.entries, len(u.blocks)
         u.n_valid[-1] += grow
         need -= grow
         for _ in range(n_new):
@@ -286,7 +295,13 @@ class CacheManager:
             u.blocks.append(b)
             u.n_valid.append(min(bs, need))
             need -= min(bs, need)
-        task.set_entries(self.entries(req.units))
+        # the main table is the units' table (admission, then here): copied with the growth
+        # rather than rebuilt from every block each decode step, unless it is not that table
+        if (isinstance(old, np.ndarray) and n_old and len(old) == sum(len(x.blocks) for x in req.units) - n_new
+                and old[-1, 0] == u.blocks[n_old - 1].id and old[-1, 2] + grow == u.n_valid[n_old - 1]):
+            task.set_entries(grown(old, grow, u.blocks[n_old:], u.delta, u.n_valid[n_old:]))
+        else:
+            task.set_entries(self.entries(req.units))
         return True
 
     # ---- publication and release ----------------------------------------------------------
@@ -343,10 +358,24 @@ class CacheManager:
         self.pool.register(b, key, toks, parent=u.keys[i - 1] if i else u.seed)
         self.pool.release(b)
 
+    def _remember_generation(self, u: Unit) -> None:
+        """A finished generation is read next as a segment (the judge over it): its chain was
+        hashed block by block as it grew and its blocks are ours (registered or hit-checked), so
+        both memos learn it now and the reader neither hashes nor compares its tokens."""
+        bs = self.block_size
+        if len(u.tokens) < 4 * bs:
+            return  # short units are cheap to look up anyway
+        arr = np.asarray(u.tokens, "<i4")
+        hashing.remember_chain(u.seed, arr, bs, u.keys)
+        self.pool.remember_chain(u.keys, u.tokens, bs, arr.tobytes(), u.blocks)
+
     def release(self, req: Request) -> None:
         """Publish what the request computed, then drop its references; its blocks stay cached."""
         if req.tasks:
             self.publish(req, tail=True)
+            u = req.units[-1]
+            if len(req.units) == 1 and u.final:
+                self._remember_generation(u)
         self.pool.release_many(req.held)
         req.held = []
         req.tasks = []
@@ -354,37 +383,40 @@ class CacheManager:
         req.sources = []
 
 
-def _keys(seed: int, tokens: Sequence[int], bs: int, packed: bytes | None = None) -> tuple[list[int], int]:
-    """Full-block chain keys and the digest of the whole unit (its partial tail included)."""
-    arr = tokens if packed is None else np.frombuffer(packed, "<i4")  # no second conversion
-    keys = hashing.chain_keys(seed, arr, bs, include_partial=True)
-    full = keys if len(tokens) % bs == 0 else keys[:-1]
-    return full, keys[-1]
-
-
 def _touched(plans: list[_Plan]) -> list[Block]:
     """The cached blocks a request reads: each shared block, or else its copy source, in order."""
     out: list[Block] = []
     for plan in plans:
-        if not plan.copies:
-            out += plan.shared  # type: ignore[arg-type]
-            continue
-        for i, b in enumerate(plan.shared):
-            src = b if b is not None else plan.copies[i][0]
+        done = 0
+        for i, (src, _) in plan.copies.items():  # block order; the hits between go in bulk
+            out += plan.shared[done:i]  # type: ignore[arg-type]
             if src is not None:
                 out.append(src)
+            done = i + 1
+        out += plan.shared[done:]  # type: ignore[arg-type]
     return out
 
 
+def _kind(u: Unit, contiguous: bool) -> str:
+    return "segment" if u.plus else ("prefix" if contiguous else "perforated")
+
+
+def _place_hits(held: list[Block], u: Unit, shared: list, lo: int, hi: int, bs: int) -> int:
+    """Give u its shared blocks lo..hi-1 (whole hits: every slot valid); returns their tokens."""
+    if hi <= lo:
+        return 0
+    run = shared[lo:hi]
+    held += run
+    u.blocks += run
+    n_tok = min(hi * bs, len(u.tokens)) - lo * bs
+    u.n_valid += [bs] * (hi - lo - 1)
+    u.n_valid.append(n_tok - (hi - lo - 1) * bs)
+    return n_tok
+
+
 def _table(units: list[Unit], local: bool = False) -> Table:
-    """The units' entries as columns, built in bulk (~6k blocks for a warm 90k-token layout).
-    `local`: delta 0, how a plus unit's own encoding task reads it."""
-    n = sum(len(u.blocks) for u in units)
-    table = np.empty((n, 3), np.int64)
-    table[:, 0] = np.fromiter(map(_ID, itertools.chain.from_iterable(u.blocks for u in units)), np.int64, n)
-    table[:, 1] = 0 if local else np.repeat([u.delta for u in units], [len(u.blocks) for u in units])
-    table[:, 2] = np.fromiter(itertools.chain.from_iterable(u.n_valid for u in units), np.int64, n)
-    return table
+    """`local`: delta 0, how a plus unit's own encoding task reads it."""
+    return build([u.blocks for u in units], [0 if local else u.delta for u in units], [u.n_valid for u in units])
 
 
 def _all_hit(units: list[Unit], plans: list[_Plan], bs: int) -> bool:

@@ -13,7 +13,7 @@ from spanserve.attention.reference import ReferenceBackend
 from spanserve.cache.block_pool import BlockPool
 from spanserve.cache.manager import CacheManager
 from spanserve.cache.storage import KVStorage, bytes_per_block
-from spanserve.engine.layout import Segment, checked_tokens, resolve
+from spanserve.engine.layout import Segment, checked_many, checked_tokens, resolve
 from spanserve.engine.outputs import RequestOutput, find_stop
 from spanserve.engine.request import Request, Status
 from spanserve.engine.runner import ModelRunner
@@ -124,7 +124,8 @@ class LLMEngine:
         pieces = []
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], Segment):
             pieces = resolve(prompt, self.encode, pol.name, require_tail=not extra.get("encode_only", False),
-                             check=functools.partial(checked_tokens, vocab_size=self.config.vocab_size))
+                             check=functools.partial(checked_tokens, vocab_size=self.config.vocab_size),
+                             check_all=functools.partial(checked_many, vocab_size=self.config.vocab_size))
             ids = list(itertools.chain.from_iterable(p.tokens for p in pieces))
         else:
             ids = self.encode(prompt)

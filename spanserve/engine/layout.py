@@ -99,6 +99,33 @@ def checked_tokens(ids: Sequence[int], vocab_size: int, pack: bool = True) -> tu
     return out, arr.astype("<i4", copy=False).tobytes() if pack else None
 
 
+def checked_many(idss: Sequence[Sequence[int]], vocab_size: int) -> list[tuple[tuple[int, ...], bytes]] | None:
+    """checked_tokens(ids, vocab_size) of each of several lists of exact ints, with one numpy
+    pass over all of them (a judge layout is ~25 segments); None when any is not such a list
+    or any id is out of range: the caller then checks one by one, for the same errors."""
+    if not all(type(ids) is list for ids in idss):
+        return None
+    try:
+        dumps = [marshal.dumps(ids, 2) for ids in idss]
+    except (ValueError, RecursionError):
+        return None
+    if any(len(d) != 5 + 5 * len(ids) for d, ids in zip(dumps, idss)):
+        return None
+    # each dump is a 5-byte header then one 5-byte row per int (see _exact_int32)
+    rows = np.frombuffer(b"".join([d[5:] for d in dumps]), _MARSHAL_INT)
+    if not (rows["code"] == ord("i")).all():
+        return None
+    vals = rows["value"]
+    if vals.size and (vals.min() < 0 or vals.max() >= vocab_size):
+        return None
+    packed = vals.tobytes()
+    out, at = [], 0
+    for ids in idss:
+        out.append((tuple(ids), packed[4 * at:4 * (at + len(ids))]))
+        at += len(ids)
+    return out
+
+
 def _joined(parts: Sequence[Checked]) -> tuple[tuple[int, ...], bytes | None]:
     packs = [p for _, p in parts]
     packed = b"".join(packs) if None not in packs else None  # type: ignore[arg-type]
@@ -106,17 +133,24 @@ def _joined(parts: Sequence[Checked]) -> tuple[tuple[int, ...], bytes | None]:
 
 
 def resolve(segments: Sequence[Segment | str], encode: Callable[[str], list[int]], policy: str,
-            require_tail: bool = True, check: Callable[[Sequence[int]], Checked] | None = None) -> list[Piece]:
+            require_tail: bool = True, check: Callable[[Sequence[int]], Checked] | None = None,
+            check_all: Callable[[list[Sequence[int]]], "Sequence[Checked] | None"] | None = None) -> list[Piece]:
     """Tokenize and position the segments. `full` reads everything causally: one cross piece.
-    `check` validates token ids (see checked_tokens); without it they are only made ints."""
+    `check` validates token ids (see checked_tokens); without it they are only made ints.
+    `check_all`: the same for every token-id segment at once (see checked_many), or None to
+    fall back to `check`."""
     segs = [Segment(text=s) if isinstance(s, str) else s for s in segments]
     if not segs:
         raise ValueError("a layout needs at least one segment")
     toks: list[Checked] = []
+    pre = check_all([s.token_ids for s in segs if s.text is None]) if check_all else None  # type: ignore[misc]
+    checked = iter(pre) if pre is not None else None
     for i, s in enumerate(segs):
         ids = s.token_ids
         if s.text is not None:
             t: Checked = (encode(s.text), None)
+        elif checked is not None:
+            t = next(checked)
         else:
             t = check(ids) if check else ([int(x) for x in ids], None)  # type: ignore[union-attr]
         if not t[0]:
