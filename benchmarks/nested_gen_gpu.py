@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None, help="file under benchmarks/results/ (default nested_gen_gpu.json)")
     ap.add_argument("--phases", action="store_true", help="print where each judge's TTFT went")
+    ap.add_argument("--profile-admission", action="store_true", help="with --phases: cProfile each judge's admission")
     args = ap.parse_args()
     dev = args.device
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -47,7 +48,7 @@ def main() -> None:
         backend = TritonBackend()
     llm = LLM(model, device=dev, dtype=str(dtype).removeprefix("torch."), num_blocks=12000 if dev == "cuda" else 4000,
               max_num_batched_tokens=16384, backend=backend)
-    events = trace_phases(llm) if args.phases else None
+    events = trace_phases(llm, args.profile_admission) if args.phases else None
     rows, results = [], []
     task = "the cat sat on the mat and the dog ran on the mat " * 3
     for f in [int(x) for x in args.fanouts.split(",")]:
@@ -83,7 +84,7 @@ def main() -> None:
                {"args": vars(args), "results": results})
 
 
-def trace_phases(llm: LLM) -> dict:
+def trace_phases(llm: LLM, profile: bool = False) -> dict:
     """Wall-clock marks (device-synced) of every request's arrival, admission and model step."""
     import time
 
@@ -99,6 +100,14 @@ def trace_phases(llm: LLM) -> dict:
 
     def admit_(req):
         t0 = time.monotonic()
+        if profile and len(req.current_pieces()) > 8:  # a judge: profile its admission
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            ok = prof.runcall(admit, req)
+            events["admit"][req.request_id] = (t0, time.monotonic())
+            pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+            return ok
         ok = admit(req)
         events["admit"][req.request_id] = (t0, time.monotonic())
         return ok

@@ -265,6 +265,9 @@ class _Storage:
     def copy(self, src: int, dst: int, n: int) -> None:
         pass
 
+    def copy_many(self, jobs) -> None:
+        pass
+
     def copy_rotated(self, src, dst, delta, rotary) -> None:
         pass
 

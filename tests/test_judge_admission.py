@@ -99,6 +99,10 @@ class _Storage:
     def copy(self, src: int, dst: int, n: int) -> None:
         self.log.append(("copy", src, dst, n))
 
+    def copy_many(self, jobs) -> None:
+        for job in jobs:
+            self.copy(*job)
+
     def copy_rotated(self, src, dst, delta, rotary) -> None:
         self.log.append(("rotated", list(src), list(dst), delta))
 

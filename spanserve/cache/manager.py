@@ -178,6 +178,7 @@ class CacheManager:
         reuse = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0}
         contiguous = True
         bs = self.block_size
+        copies: list[tuple[int, int, int]] = []
         for u, plan in zip(units_all, plans):
             done = 0  # blocks of u placed so far; the hits between copies go in bulk
             for i, (src, copy_n) in plan.copies.items():
@@ -185,7 +186,7 @@ class CacheManager:
                 n_tok = min(bs, len(u.tokens) - i * bs)
                 b = self.pool.allocate()
                 if src is not None:
-                    self.storage.copy(src.id, b.id, copy_n)
+                    copies.append((src.id, b.id, copy_n))
                     self.pool.release(src)
                 u.fresh.append(i)
                 u.todo.extend(range(i * bs + copy_n, i * bs + n_tok))
@@ -198,6 +199,10 @@ class CacheManager:
             reuse[_kind(u, contiguous)] += _place_hits(req.held, u, plan.shared, done, len(plan.shared), bs)
             if u.source is None or not sources:  # a recomputed run is counted by its source
                 reuse["computed"] += len(u.todo)
+        # One batch (a judge copies the tail block of each of its candidates). Safe although the
+        # sources were released above: nothing writes KV before this runs, and the batch reads
+        # every source before writing any destination.
+        self.storage.copy_many(copies)
         if eager:
             dropped: Counter[Block] = Counter()
             for i in eager:

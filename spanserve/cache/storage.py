@@ -1,6 +1,7 @@
 """The preallocated paged KV tensors: all layers' K and V for every block slot."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from spanserve.model.config import ModelConfig
@@ -39,3 +40,19 @@ class KVStorage:
         """Copy the first n slots of block src into block dst, every layer (copy on write)."""
         self.k[:, dst, :n] = self.k[:, src, :n]
         self.v[:, dst, :n] = self.v[:, src, :n]
+
+    def copy_many(self, jobs: list[tuple[int, int, int]]) -> None:
+        """`copy(src, dst, n)` for every job, in one gather and one scatter per tensor: all
+        sources are read before any destination is written (a block released as a source may be
+        a later job's destination). On a GPU, two launches instead of two per job."""
+        if not jobs:
+            return
+        if len(jobs) == 1:
+            self.copy(*jobs[0])
+            return
+        bs = self.block_size
+        idx = np.concatenate([np.stack([s * bs + np.arange(n), d * bs + np.arange(n)]) for s, d, n in jobs], axis=1)
+        idx_t = torch.from_numpy(idx).to(self.k.device)
+        for t in (self.k, self.v):
+            flat = t.view(t.shape[0], -1, *t.shape[3:])
+            flat[:, idx_t[1]] = flat[:, idx_t[0]]
