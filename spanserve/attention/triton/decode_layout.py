@@ -83,6 +83,25 @@ def descriptors(spans: DecodeSpans, pos: list[int]) -> list[list[int]]:
     return out
 
 
+Offsets = dict[str, tuple[int, torch.dtype, tuple[int, ...]]]
+
+
+def pack_offsets(fields: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> Offsets:
+    """Byte offset of each (name, dtype, shape) region laid out in order, each aligned."""
+    out: Offsets = {}
+    off = 0
+    for name, dt, shape in fields:
+        out[name] = (off, dt, shape)
+        off += -(-int(np.prod(shape)) * dt.itemsize // _ALIGN) * _ALIGN
+    return out
+
+
+def carve(buf: torch.Tensor, offsets: Offsets) -> dict[str, torch.Tensor]:
+    """Typed views of a uint8 buffer laid out by `pack_offsets`."""
+    return {name: buf[off:off + int(np.prod(shape)) * dt.itemsize].view(dt).view(shape)
+            for name, (off, dt, shape) in offsets.items()}
+
+
 class Regions:
     """Byte offsets of the packed step input; the device staging buffer and the host buffers that
     fill it share this layout. Fixed-size fields first, then the tiles, then the key slots, so a
@@ -91,15 +110,11 @@ class Regions:
     def __init__(self, batch: int, key_cap: int, tile_cap: int):
         self.batch, self.key_cap, self.tile_cap = batch, key_cap, tile_cap
         B, T, i64, i32 = batch, tile_cap, torch.int64, torch.int32
-        fields = [("ids", i64, (B,)), ("positions", i64, (B,)), ("write_slots", i64, (B,)),
-                  ("q_pos", i32, (B,)), ("zeros", i32, (B,)), ("desc", i32, (B, NUM_FIELDS)),
-                  ("tile_start", i32, (T,)), ("tile_end", i32, (T,)), ("tile_delta", i32, (T,)),
-                  ("key_slots", i32, (key_cap,))]
-        self.offsets: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
-        off = 0
-        for name, dt, shape in fields:
-            self.offsets[name] = (off, dt, shape)
-            off += -(-int(np.prod(shape)) * dt.itemsize // _ALIGN) * _ALIGN
+        self.offsets = pack_offsets([
+            ("ids", i64, (B,)), ("positions", i64, (B,)), ("write_slots", i64, (B,)),
+            ("q_pos", i32, (B,)), ("zeros", i32, (B,)), ("desc", i32, (B, NUM_FIELDS)),
+            ("tile_start", i32, (T,)), ("tile_end", i32, (T,)), ("tile_delta", i32, (T,)),
+            ("key_slots", i32, (key_cap,))])
         self.keys_offset = self.offsets["key_slots"][0]
         self.nbytes = self.keys_offset + 4 * key_cap
 
@@ -126,9 +141,7 @@ class Packed:
 
     @classmethod
     def carve(cls, buf: torch.Tensor, regions: Regions) -> "Packed":
-        views = {name: buf[off:off + int(np.prod(shape)) * dt.itemsize].view(dt).view(shape)
-                 for name, (off, dt, shape) in regions.offsets.items()}
-        return cls(buf=buf, **views)
+        return cls(buf=buf, **carve(buf, regions.offsets))
 
     @classmethod
     def allocate(cls, regions: Regions, device: torch.device, pin: bool = False) -> "Packed":

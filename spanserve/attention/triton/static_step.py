@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 from spanserve.attention.host_plan import HostPlan
+from spanserve.attention.triton.decode_layout import carve, pack_offsets
 from spanserve.attention.triton.layout import (F_PART0, NUM_FIELDS, HostLaunch, Launch, Prerotation, SplitPolicy,
                                                StepLayout, _describe_host, empty_launch, host_rows)
 
-_ALIGN = 64  # bytes between region starts: Triton specializes kernels on 16-byte-aligned pointers
 _TILE_FIELDS = [F_PART0 + 2, F_PART0 + 3, F_PART0 + 6, F_PART0 + 7]
 
 
@@ -65,23 +65,18 @@ class _Regions:
     def __init__(self, tokens: int, small: int, big: int, key_cap: int, tile_cap: int):
         T, i64, i32 = tokens, torch.int64, torch.int32
         self.key_cap, self.tile_cap = key_cap, tile_cap
-        fields = [("ids", i64, (T,)), ("positions", i64, (T,)), ("write_slots", i64, (T,)),
-                  ("q_pos", i32, (T,)), ("anchor", i32, (T,)), ("seg", i32, (T,)), ("tokens", i32, (T,)),
-                  ("rot_count", i32, (1,)),
-                  ("desc_small", i32, (small, NUM_FIELDS)), ("desc_big", i32, (big, NUM_FIELDS)),
-                  ("tile_start", i32, (tile_cap,)), ("tile_end", i32, (tile_cap,)), ("tile_delta", i32, (tile_cap,)),
-                  ("rot_delta", i32, (key_cap,)), ("rot_slots", i32, (key_cap,)), ("key_slots", i32, (key_cap,))]
-        self.offsets: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
-        off = 0
-        for name, dt, shape in fields:
-            self.offsets[name] = (off, dt, shape)
-            off += -(-int(np.prod(shape)) * dt.itemsize // _ALIGN) * _ALIGN
+        self.offsets = pack_offsets([
+            ("ids", i64, (T,)), ("positions", i64, (T,)), ("write_slots", i64, (T,)),
+            ("q_pos", i32, (T,)), ("anchor", i32, (T,)), ("seg", i32, (T,)), ("tokens", i32, (T,)),
+            ("rot_count", i32, (1,)),
+            ("desc_small", i32, (small, NUM_FIELDS)), ("desc_big", i32, (big, NUM_FIELDS)),
+            ("tile_start", i32, (tile_cap,)), ("tile_end", i32, (tile_cap,)), ("tile_delta", i32, (tile_cap,)),
+            ("rot_delta", i32, (key_cap,)), ("rot_slots", i32, (key_cap,)), ("key_slots", i32, (key_cap,))])
         self.keys_offset = self.offsets["key_slots"][0]
         self.nbytes = self.keys_offset + 4 * key_cap
 
     def carve(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {name: buf[off:off + int(np.prod(shape)) * dt.itemsize].view(dt).view(shape)
-                for name, (off, dt, shape) in self.offsets.items()}
+        return carve(buf, self.offsets)
 
 
 @dataclass
