@@ -7,6 +7,7 @@ without recomputation does the same with buffers and graphs per padded shape (`S
 anything else runs eagerly."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -123,7 +124,7 @@ class StepGraphs:
         self.pool, self.max_tokens, self.max_graphs, self.capture = pool, max_tokens, max_graphs, capture
         self.graphs: dict[Any, tuple[Any, torch.Tensor]] = {}  # insertion order = least recent first
         self.replays = 0
-        self.captured: list[Any] = []  # the shape of every capture, in order (a log for benchmarks)
+        self.captured: deque[Any] = deque(maxlen=64)  # the latest captures' shapes (a log for benchmarks)
 
     def run(self, hp: HostPlan) -> torch.Tensor | None:
         """Hidden states [padded T, hidden] (rows past the step's T are padding), or None when the
