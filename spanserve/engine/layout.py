@@ -63,17 +63,23 @@ def _exact_int32(ids: list) -> np.ndarray | None:
     32 bits, b"i" + 4 bytes LE; anything else takes another code or length (a bool is one byte,
     a float nine, a numpy scalar a byte string, a bigger int b"l"...) or fails. So a dump of
     exactly 5 + 5n bytes with b"i" at every 5th byte holds n such ints, by induction."""
+    body = _int_rows(ids)
+    if body is None:
+        return None
+    rows = np.frombuffer(body, _MARSHAL_INT)
+    if not (rows["code"] == ord("i")).all():
+        return None
+    return rows["value"].copy()
+
+
+def _int_rows(ids: list) -> bytes | None:
+    """The marshal dump of `ids` less its header, when it has one 5-byte row per element (the
+    rows still need their b"i" codes checked); None otherwise."""
     try:
         dump = marshal.dumps(ids, 2)
     except (ValueError, RecursionError):
         return None
-    n = len(ids)
-    if len(dump) != 5 + 5 * n:
-        return None
-    rows = np.frombuffer(dump, _MARSHAL_INT, n, offset=5)
-    if not (rows["code"] == ord("i")).all():
-        return None
-    return rows["value"].copy()
+    return dump[5:] if len(dump) == 5 + 5 * len(ids) else None
 
 
 _MARSHAL_INT = np.dtype([("code", "u1"), ("value", "<i4")])  # packed: 5 bytes
@@ -105,14 +111,10 @@ def checked_many(idss: Sequence[Sequence[int]], vocab_size: int) -> list[tuple[t
     or any id is out of range: the caller then checks one by one, for the same errors."""
     if not all(type(ids) is list for ids in idss):
         return None
-    try:
-        dumps = [marshal.dumps(ids, 2) for ids in idss]
-    except (ValueError, RecursionError):
+    bodies = [_int_rows(ids) for ids in idss]
+    if None in bodies:
         return None
-    if any(len(d) != 5 + 5 * len(ids) for d, ids in zip(dumps, idss)):
-        return None
-    # each dump is a 5-byte header then one 5-byte row per int (see _exact_int32)
-    rows = np.frombuffer(b"".join([d[5:] for d in dumps]), _MARSHAL_INT)
+    rows = np.frombuffer(b"".join(bodies), _MARSHAL_INT)  # type: ignore[arg-type]
     if not (rows["code"] == ord("i")).all():
         return None
     vals = rows["value"]

@@ -67,12 +67,18 @@ class TritonBackend(AttentionBackend):
 
     def launches(self, prepared: StepLayout, G: int, kvh: int = 1) -> tuple[Launch, Launch]:
         """(decode launch, prefill launch) of a step for G query heads per KV head."""
-        dec_m = _pow2_at_least(G, self.decode_cfg.block_m)
-        pre_m = _pow2_at_least(G, self.prefill_cfg.block_m)
         dev = prepared.key_slots.device
-        return prepared.launches(dec_m // G, self.decode_cfg.block_n, pre_m // G,
-                                 self.prefill_cfg.block_n, self.prerotate_prefill,
-                                 self._split_policy(dev, kvh), self._dense_min(dev))
+        return prepared.launches(*self._cuts(G), self.prerotate_prefill, self._split_policy(dev, kvh),
+                                 self._dense_min(dev))
+
+    def _block_m(self, G: int) -> tuple[int, int]:
+        """(decode, prefill) program rows: BLOCK_M raised to a power of two >= G."""
+        return _pow2_at_least(G, self.decode_cfg.block_m), _pow2_at_least(G, self.prefill_cfg.block_m)
+
+    def _cuts(self, G: int) -> tuple[int, int, int, int]:
+        """Tokens per program and keys per tile of the decode launch, then of the prefill launch."""
+        dec_m, pre_m = self._block_m(G)
+        return dec_m // G, self.decode_cfg.block_n, pre_m // G, self.prefill_cfg.block_n
 
     def _dense_min(self, dev: torch.device) -> int:
         if self.dense_prefill is not None:
@@ -93,10 +99,7 @@ class TritonBackend(AttentionBackend):
         """Fixed-address layouts for short general steps (CUDA graphs), cut like `launches` cuts
         them for G query heads per KV head."""
         dev = torch.device(device)
-        dec_m = _pow2_at_least(G, self.decode_cfg.block_m)
-        pre_m = _pow2_at_least(G, self.prefill_cfg.block_m)
-        return StaticSteps(dec_m // G, self.decode_cfg.block_n, pre_m // G, self.prefill_cfg.block_n,
-                           self._split_policy(dev, kvh), self.prerotate_prefill,
+        return StaticSteps(*self._cuts(G), self._split_policy(dev, kvh), self.prerotate_prefill,
                            inv_freq.to(device=dev, dtype=torch.float32).contiguous(), dev)
 
     def write(self, prepared: StepLayout, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -112,8 +115,7 @@ class TritonBackend(AttentionBackend):
         if H != G * KVH:
             raise ValueError(f"{H} query heads do not share {KVH} KV heads evenly")
         out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
-        dec_m = _pow2_at_least(G, self.decode_cfg.block_m)
-        pre_m = _pow2_at_least(G, self.prefill_cfg.block_m)
+        dec_m, pre_m = self._block_m(G)
         small, big = self.launches(prepared, G, KVH)
         for launch, cfg, bm in ((big, self.prefill_cfg, pre_m), (small, self.decode_cfg, dec_m)):
             if launch.desc.shape[0]:

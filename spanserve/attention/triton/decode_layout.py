@@ -96,6 +96,14 @@ def pack_offsets(fields: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> Offs
     return out
 
 
+def grown(cap: int, need: int, lo: int) -> int:
+    """A buffer capacity of at least `need`: `cap` (at least `lo`) doubled as often as needed."""
+    cap = max(cap, lo)
+    while cap < need:
+        cap *= 2
+    return cap
+
+
 def carve(buf: torch.Tensor, offsets: Offsets) -> dict[str, torch.Tensor]:
     """Typed views of a uint8 buffer laid out by `pack_offsets`."""
     return {name: buf[off:off + int(np.prod(shape)) * dt.itemsize].view(dt).view(shape)

@@ -95,6 +95,7 @@ class StepLayout:
     rows: list[_RowHost]
     fixed: tuple[Launch, Launch] | None = None  # set by a static (graph) layout: its launches
     _launches: dict[tuple, tuple[Launch, Launch]] = field(default_factory=dict)
+    _dense: dict[int, list[_RowHost]] = field(default_factory=dict)
 
     def launches(self, small_q: int, small_n: int, big_q: int, big_n: int, prerotate_big: bool,
                  split: "SplitPolicy | None" = None, dense_min: int = 0) -> tuple[Launch, Launch]:
@@ -113,11 +114,15 @@ class StepLayout:
                                    _describe(big, big_q, big_n, self, pre, split))
         return self._launches[key]
 
-
     def dense_rows(self, min_q: int) -> list[_RowHost]:
         """Rows of at least `min_q` queries that see exactly their own keys, causally from position
-        0, unrotated: a fresh prompt's prefill, which a dense attention kernel can take as is."""
-        return [r for r in self.rows if _fresh(r, min_q)] if min_q and self.fixed is None else []
+        0, unrotated: a fresh prompt's prefill, which a dense attention kernel can take as is.
+        Asked once per layer: kept with the launches."""
+        if not min_q or self.fixed is not None:
+            return []
+        if min_q not in self._dense:
+            self._dense[min_q] = [r for r in self.rows if _fresh(r, min_q)]
+        return self._dense[min_q]
 
 
 def _fresh(r: _RowHost, min_q: int) -> bool:
@@ -185,7 +190,7 @@ def build_layout(plan: AttentionPlan, inv_freq: torch.Tensor) -> StepLayout:
     dev = plan.write_slots.device
     T = int(plan.positions.numel())
     has_plus = any(r.anchor_end is not None or r.seg_start is not None for r in rows)
-    if all(r.host is not None for r in rows) and all(r.q_start == h for r, h in zip(rows, _starts(rows))):
+    if all(r.host is not None for r in rows) and _consecutive(rows):
         host_rows_ = host_rows([r.host for r in rows])  # built on the host: no device round trip
     else:
         q_pos = _cat_host([r.q_pos for r in rows])
@@ -207,27 +212,29 @@ def build_layout(plan: AttentionPlan, inv_freq: torch.Tensor) -> StepLayout:
     tok = np.zeros((3, T), dtype=np.int64)
     for r in host_rows_:
         tok[:, r.q_start:r.q_end] = r.q_pos, r.anchor, r.seg
-
-    def dev32(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a.astype(np.int32)).to(dev)
-
     key_slots = torch.cat([r.key_slots for r in rows]) if rows else torch.zeros(0, dtype=torch.long, device=dev)
     return StepLayout(
         write_slots=plan.write_slots.to(device=dev, dtype=torch.long),
         key_slots=key_slots.to(torch.int32),
-        q_pos=dev32(tok[0]), anchor=dev32(tok[1]), seg=dev32(tok[2]),
+        q_pos=_dev32(tok[0], dev), anchor=_dev32(tok[1], dev), seg=_dev32(tok[2], dev),
         inv_freq=inv_freq.to(device=dev, dtype=torch.float32).contiguous(),
         has_delta=any(bool((r.span_delta != 0).any()) for r in host_rows_),
         has_plus=has_plus, rows=host_rows_,
     )
 
 
-def _starts(rows: list) -> list[int]:
-    out, q = [], 0
+def _consecutive(rows: list) -> bool:
+    """Rows take the step's tokens from 0 in order (what `host_rows` assumes)."""
+    q = 0
     for r in rows:
-        out.append(q)
-        q += r.num_queries
-    return out
+        if r.q_start != q:
+            return False
+        q = r.q_end
+    return True
+
+
+def _dev32(a: np.ndarray, dev: torch.device) -> torch.Tensor:
+    return torch.from_numpy(a.astype(np.int32)).to(dev)
 
 
 def _tiles(r: _RowHost, bn: int, split: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -359,13 +366,10 @@ def _describe(rows: list[_RowHost], bq: int, bn: int, lay: StepLayout, prerotate
     if not rows:
         return empty_launch(dev)
     h = _describe_host(rows, bq, bn, prerotate, split)
-
-    def dev32(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a.astype(np.int32)).to(dev)
-
     pre = None
     if h.rot_keys is not None:
         keys = torch.from_numpy(h.rot_keys).to(dev)
-        pre = Prerotation(lay.key_slots[keys].contiguous(), dev32(h.rot_delta))
-    return Launch(dev32(h.desc).view(-1, NUM_FIELDS), dev32(h.tile_start), dev32(h.tile_end), dev32(h.tile_delta),
-                  h.fused_delta, pre, h.split, None if h.tokens is None else dev32(h.tokens))
+        pre = Prerotation(lay.key_slots[keys].contiguous(), _dev32(h.rot_delta, dev))
+    return Launch(_dev32(h.desc, dev).view(-1, NUM_FIELDS), _dev32(h.tile_start, dev), _dev32(h.tile_end, dev),
+                  _dev32(h.tile_delta, dev), h.fused_delta, pre, h.split,
+                  None if h.tokens is None else _dev32(h.tokens, dev))

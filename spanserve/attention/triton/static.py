@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from spanserve.attention.decode import DecodeRows
-from spanserve.attention.triton.decode_layout import HostArrays, Packed, Regions, decode_spans, write_step
+from spanserve.attention.triton.decode_layout import HostArrays, Packed, Regions, decode_spans, grown, write_step
 from spanserve.attention.triton.layout import Launch, StepLayout, empty_launch
 
 
@@ -34,13 +34,7 @@ class StaticDecode:
         if keys <= self.capacity and tiles <= self.tile_capacity:
             return False
 
-        def fit(cap: int, need: int) -> int:
-            cap = max(cap, 4)
-            while cap < need:
-                cap *= 2
-            return cap
-
-        kc, tc = fit(self.capacity, keys), fit(self.tile_capacity, tiles)
+        kc, tc = grown(self.capacity, keys, 4), grown(self.tile_capacity, tiles, 4)
         self.capacity, self.tile_capacity = kc, tc
         self.regions = Regions(self.batch, kc, tc)
         self.dev = Packed.allocate(self.regions, self.device)

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from spanserve.attention.host_plan import HostPlan
-from spanserve.attention.triton.decode_layout import carve, pack_offsets
+from spanserve.attention.triton.decode_layout import carve, grown, pack_offsets
 from spanserve.attention.triton.layout import (F_PART0, NUM_FIELDS, HostLaunch, Launch, Prerotation, SplitPolicy,
-                                               StepLayout, _describe_host, empty_launch, host_rows)
+                                               StepLayout, _describe_host, _RowHost, empty_launch, host_rows)
 
 _TILE_FIELDS = [F_PART0 + 2, F_PART0 + 3, F_PART0 + 6, F_PART0 + 7]
 
@@ -107,9 +107,9 @@ class StaticSteps:
         self.sets: dict[tuple[int, int, int], _Buffers] = {}
         self._unfenced: tuple[_Buffers, int] | None = None
 
-    def describe(self, plan: HostPlan) -> tuple[HostLaunch | None, HostLaunch | None, bool]:
-        """The step's two launches on the host, as the general path would cut them (but for the
-        number of split shares), and whether some row has the plus form."""
+    def describe(self, plan: HostPlan) -> tuple[list[_RowHost], HostLaunch | None, HostLaunch | None, bool]:
+        """The layout's rows, the step's two launches on the host, as the general path would cut
+        them (but for the number of split shares), and whether some row has the plus form."""
         rows = host_rows(plan.rows)
         small = [r for r in rows if r.q_end - r.q_start <= self.small_q]
         big = [r for r in rows if r.q_end - r.q_start > self.small_q]
@@ -117,14 +117,14 @@ class StaticSteps:
         hs = _describe_host(small, self.small_q, self.small_n, False) if small else None
         hb = _describe_host(big, self.big_q, self.big_n, pre, self.split, fixed_ways=True) if big else None
         has_plus = any(h.anchor_end is not None or h.seg_start is not None for h in plan.rows)
-        return hs, hb, has_plus
+        return rows, hs, hb, has_plus
 
     def load(self, plan: HostPlan) -> tuple[Shape, StepLayout, dict[str, torch.Tensor], bool]:
         """Send one step into its bucket's fixed buffers (one host-to-device copy, no sync).
         Returns the graph shape, the fixed-address layout, the device views (ids, positions,
         write_slots ...) and whether the bucket's buffers moved. Call `fence` once the step's
         kernels are queued."""
-        hs, hb, has_plus = self.describe(plan)
+        rows, hs, hb, has_plus = self.describe(plan)
         T = len(plan.ids)
         n_keys = sum(len(h.key_slots) for h in plan.rows)
         ns = 0 if hs is None else len(hs.tile_start)
@@ -139,7 +139,7 @@ class StaticSteps:
         if buf.copied[i] is not None:
             buf.copied[i].synchronize()  # the step that last read this host buffer (long finished)
         a = buf.arrays[i]
-        _fill(a, plan, hs, hb, ns, n_keys)
+        _fill(a, plan, rows, hs, hb, ns, n_keys)
         n = buf.regions.keys_offset + 4 * n_keys
         buf.dev_buf[:n].copy_(buf.host[i][:n], non_blocking=True)
         self._unfenced = (buf, i)
@@ -163,14 +163,8 @@ class StaticSteps:
         if old is not None and keys <= old.regions.key_cap and tiles <= old.regions.tile_cap:
             return old, False
 
-        def fit(cap: int, need: int) -> int:
-            cap = max(cap, 1024)
-            while cap < need:
-                cap *= 2
-            return cap
-
-        kc = fit(0 if old is None else old.regions.key_cap, keys)
-        tc = fit(0 if old is None else old.regions.tile_cap, tiles)
+        kc = grown(0 if old is None else old.regions.key_cap, keys, 1024)
+        tc = grown(0 if old is None else old.regions.tile_cap, tiles, 1024)
         reg = _Regions(*key, kc, tc)
         dev_buf = torch.zeros(reg.nbytes, dtype=torch.uint8, device=self.device)
         # The old host buffers may be freed with a copy in flight: torch's pinned allocator holds
@@ -199,17 +193,15 @@ class StaticSteps:
                    launch(d["desc_big"], shape.big_fused, shape.ways, pre)))
 
 
-def _fill(a: dict[str, np.ndarray], plan: HostPlan, hs: HostLaunch | None, hb: HostLaunch | None,
-          ns: int, n_keys: int) -> None:
+def _fill(a: dict[str, np.ndarray], plan: HostPlan, rows: list[_RowHost], hs: HostLaunch | None,
+          hb: HostLaunch | None, ns: int, n_keys: int) -> None:
     """Write one step into a host buffer's arrays, padding as the module docstring says."""
     T = len(plan.ids)
     a["ids"][:T], a["ids"][T:] = plan.ids, 0
     a["positions"][:T], a["positions"][T:] = plan.positions, 0
     a["write_slots"][:T], a["write_slots"][T:] = plan.write_slots, -1
-    for name, attr in (("q_pos", "q_pos"), ("anchor", "anchor_end"), ("seg", "seg_start")):
-        parts = [getattr(h, attr) if getattr(h, attr) is not None else np.zeros(len(h.q_pos), dtype=np.int64)
-                 for h in plan.rows]
-        a[name][:T] = np.concatenate(parts) if parts else 0
+    for name in ("q_pos", "anchor", "seg"):
+        a[name][:T] = np.concatenate([getattr(r, name) for r in rows]) if rows else 0
         a[name][T:] = 0
     a["tokens"][:] = -1
     a["desc_small"][:] = 0
