@@ -310,14 +310,61 @@ def time_split() -> None:
         RESULTS["timings"][label] = entry
 
 
+def decode_variant(rows: list[Row], cfg: LaunchConfig, split: bool, force: bool = False) -> tuple[TritonBackend, Any]:
+    """A backend and prepared layout for a decode batch: split along keys as the backend's default
+    policy says (two programs per SM) or never, and with `force` the rotating kernel even when every
+    delta is 0 (so it measures that kernel's structure alone)."""
+    tb = TritonBackend(decode=cfg, dense_prefill=0, split_programs=None if split else 0)
+    lay = tb.prepare(plan_for(rows), ROT, BS)
+    small, _ = tb.launches(lay, H // KVH, KVH)
+    small.fused_delta = small.fused_delta or force
+    return tb, lay
+
+
 def time_decode() -> None:
-    modes = ("zero", "seg", "seg4k", "block", "delta-kernel zero")
+    """Decode attention, zero deltas against deltas, timed interleaved: as the backend runs it
+    (split along keys when the batch has fewer programs than two per SM) and unsplit."""
     for batch, ctx in DECODE_SETS:
         rng = random.Random(5)
         lens = [ctx + rng.randint(-ctx // 16, ctx // 16) for _ in range(batch)]
-        rows = mode_rows(modes, lens, 1, 5)
+        rows = mode_rows(("zero", "seg", "seg4k", "block"), lens, 1, 5)
         keys = sum(lens)
-        time_rows(f"decode {batch}x{ctx}", rows, DECODE_CFGS, True, 4.0 * D * H * keys, 2.0 * keys * KVH * D * 2)
+        kv_bytes = 2.0 * keys * KVH * D * 2
+        nb = max(int(r.key_slots.max()) for rs in rows.values() for r in rs) // BS + 1
+        kc, vc = caches(nb, TDT)
+        q = torch.randn(batch, H, D, device=DEV, dtype=TDT)
+        for cfg in DECODE_CFGS:
+            runs = {}
+            for split, tag in ((True, ""), (False, " unsplit")):
+                for m in ("zero", "seg", "seg4k", "block"):
+                    runs[m + tag] = decode_variant(rows[m], cfg, split)
+                runs["delta-kernel zero" + tag] = decode_variant(rows["zero"], cfg, split, force=True)
+            ways = {m: tb.launches(lay, H // KVH, KVH)[0].split for m, (tb, lay) in runs.items()}
+            errs: dict[str, float] = {}
+            if batch <= 16:  # every mode against the float32 reference (the combine pass included)
+                ref = ReferenceBackend()
+                for m, (tb, lay) in runs.items():
+                    r = rows[m.split()[0] if not m.startswith("delta") else "zero"]
+                    want = ref.attend(ref.prepare(plan_for(r), ROT, BS), q.float(), kc.float(), vc.float())
+                    got = tb.attend(lay, q, kc, vc).float()
+                    errs[m] = ((got - want).norm() / want.norm()).item()
+                    if not errs[m] < 1e-2:
+                        RESULTS.setdefault("errors", []).append(f"decode {batch}x{ctx} {m}: rel err {errs[m]:.2e}")
+            times: dict[str, list[float]] = {m: [] for m in runs}
+            for _ in range(2):
+                for m, (tb, lay) in runs.items():
+                    times[m].append(bench(lambda tb=tb, lay=lay: tb.attend(lay, q, kc, vc)))
+            key = f"decode {batch}x{ctx} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+            entry: dict[str, Any] = {}
+            for m, ts in times.items():
+                zero = min(times["zero unsplit" if m.endswith("unsplit") else "zero"])
+                best = min(ts)
+                entry[m] = {"ms": ts, "overhead_vs_zero": best / zero - 1, "TBps": kv_bytes / best / 1e9,
+                            "ways": ways[m], "rel_err": errs.get(m)}
+                err = f", err {errs[m]:.1e}" if m in errs else ""
+                TABLE.append((f"{key} {m}", f"{ts[0]:.3f} / {ts[1]:.3f} ms, {kv_bytes / best / 1e9:.2f} TB/s, "
+                              f"{ways[m]} way(s){err}", "" if m.startswith("zero") else f"{100 * (best / zero - 1):+.2f}%"))
+            RESULTS["timings"][key] = entry
 
 
 def time_sdpa() -> None:

@@ -4,7 +4,9 @@
    tiny random model on span layouts with non-zero deltas, and logits;
 2. Triton vs reference backend on the Llama-3-8B shape (random bf16 weights), span layouts;
 3. prefill of 16k plain tokens: achieved TFLOP/s vs the measured bf16 matmul peak;
-4. decode at batch 1: step time vs the weight-bandwidth bound (weights bytes / measured copy BW).
+4. decode at batch 1: step time vs the weight-bandwidth bound (weights bytes / measured copy BW);
+5. decode at batch 1 over a long context (--long-context, 16k): the decode launch split along keys
+   (the default: 8 programs, one per KV head, would leave 124 SMs idle) against unsplit.
 
     python benchmarks/gpu_engine.py [--prefill 16384] [--decode-steps 32]
 """
@@ -28,11 +30,11 @@ from spanserve.model.config import ModelConfig  # noqa: E402
 DEV = "cuda"
 
 
-def TritonBackend():  # noqa: N802 - a dry run on CPU times the reference backend instead
+def TritonBackend(**kw):  # noqa: N802 - a dry run on CPU times the reference backend instead
     if DEV != "cuda":
         return None
     from spanserve.attention.triton import TritonBackend as T
-    return T()
+    return T(**kw)
 
 
 def sync() -> None:
@@ -215,10 +217,57 @@ def prefill_and_decode(model, n_prefill: int, steps: int, peak_tflops: float, bw
     return {"prefill_s": t, "prefill_tflops": achieved, "decode_step_s": d, "decode_itl_s": itl, "decode_bound_s": bound}
 
 
+def itl_loop(eng: LLMEngine, prompt: list[int], steps: int) -> tuple[float, list[int]]:
+    """Seconds per decode step of an uninterrupted run at batch 1, after prefill and 4 steps, and
+    the greedy tokens."""
+    req = eng.add_request(prompt, SamplingParams(max_tokens=steps + 6, ignore_eos=True, temperature=0))
+    for _ in range(4):
+        eng.step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    sync()
+    dt = (time.perf_counter() - t0) / steps
+    while eng.has_unfinished():
+        eng.step()
+    return dt, req.output_token_ids
+
+
+def long_decode(model, n_ctx: int, steps: int, rows: list) -> dict:
+    """Batch-1 decode over an n_ctx-token context: the backend's split decode launch against one
+    never split, the two engines taking turns (median of 3 runs each); and the split graphs'
+    greedy tokens against the same split run eagerly (same kernels and shares: equal tokens)."""
+    def engine(split: int | None, graphs: bool = True) -> LLMEngine:
+        return LLMEngine(model, device=DEV, dtype="bfloat16", max_num_batched_tokens=n_ctx + 16,
+                         num_blocks=n_ctx // 16 + 64, backend=TritonBackend(split_programs=split), cuda_graphs=graphs)
+
+    engines = {"split": engine(None), "unsplit": engine(0)}
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 128000, (n_ctx,), generator=gen).tolist()
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    toks = {}
+    for _ in range(3):
+        for name, eng in engines.items():
+            dt, toks[name] = itl_loop(eng, prompt, steps)
+            times[name].append(dt)
+    res = {k: median(v) for k, v in times.items()}
+    ways = sorted(w for _, w in engines["split"].runner.graphs.buffers[1].static._layouts)
+    rows.append((f"decode batch 1 over {n_ctx} keys, inter-token latency", f"split {res['split'] * 1e3:.2f} ms, "
+                 f"unsplit {res['unsplit'] * 1e3:.2f} ms", f"{res['unsplit'] / res['split']:.2f}x; ways {ways}"))
+    del engines
+    _, eager = itl_loop(engine(None, graphs=False), prompt, steps)
+    rows.append((f"8B greedy tokens over {n_ctx} keys, split graphs == split eager", f"{len(eager)} tokens",
+                 eager == toks["split"]))
+    return {f"long_decode_{k}_s": v for k, v in res.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefill", type=int, default=16384)
     ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--long-context", type=int, default=16384)
+    ap.add_argument("--skip-checks", action="store_true", help="timings only")
     ap.add_argument("--out", default="gpu_engine.json")
     ap.add_argument("--dry", action="store_true", help="CPU, small model: checks the script, not the GPU")
     args = ap.parse_args()
@@ -232,16 +281,20 @@ def main() -> None:
         peak, bw = peaks()
     rows.append(("bf16 matmul peak (8192^3)", f"{peak:.0f} TFLOP/s", ""))
     rows.append(("device copy bandwidth", f"{bw:.0f} GB/s", ""))
-    check_tiny(rows)
+    if not args.skip_checks:
+        check_tiny(rows)
     cfg = llama3_8b_config()
     if args.dry:
         cfg = ModelConfig(**{**cfg.__dict__, "hidden_size": 128, "intermediate_size": 256, "num_layers": 2,
                              "num_heads": 4, "num_kv_heads": 2, "head_dim": 32})
     model = random_model(cfg, DEV, torch.bfloat16)
-    check_8b(model, rows)
-    if not args.dry:
-        check_graphs(model, rows)
+    if not args.skip_checks:
+        check_8b(model, rows)
+        if not args.dry:
+            check_graphs(model, rows)
     res = prefill_and_decode(model, args.prefill, args.decode_steps, peak, bw, rows)
+    if not args.dry and args.long_context:
+        res.update(long_decode(model, args.long_context, args.decode_steps, rows))
     print(format_table(["check", "value", "note"], rows))
     write_json(args.out if not args.dry else "gpu_engine_dry.json", {"rows": [list(map(str, r)) for r in rows], "peak_tflops": peak, "copy_gbps": bw, **res})
 

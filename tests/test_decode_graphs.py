@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from spanserve.attention.reference import ReferenceBackend  # noqa: E402
 from spanserve.attention.triton import LaunchConfig, TritonBackend  # noqa: E402
-from spanserve.attention.triton.layout import build_layout  # noqa: E402
+from spanserve.attention.triton.layout import SplitPolicy, build_layout  # noqa: E402
 from spanserve.attention.triton.static import StaticDecode  # noqa: E402
 from spanserve.cache.table import Entry  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
@@ -50,12 +50,17 @@ def _run(engine: LLMEngine, prompts: list) -> list[list[int]]:
     return [r.output_token_ids for r in reqs]
 
 
-def test_fixed_buffer_decode_matches_eager_reference(tmp_path) -> None:
+@pytest.mark.parametrize("split", [0, 64])
+def test_fixed_buffer_decode_matches_eager_reference(tmp_path, split: int) -> None:
+    # split 64: the tiny model's KV heads aim at 64 programs in all, so decode rows are cut into
+    # shares merged by the combine pass (4-key tiles, so rows of 32+ keys have the 4 tiles per
+    # share that a split needs).
     path, _ = make_tiny_model("llama", tmp_path)
     gen = torch.Generator().manual_seed(0)
     prompts = _prompts(gen, 384)
     ref = LLMEngine(str(path), block_size=8, num_blocks=128, backend=ReferenceBackend())
-    fixed = LLMEngine(str(path), block_size=8, num_blocks=128, backend=TritonBackend(SMALL, SMALL), cuda_graphs="eager")
+    backend = TritonBackend(SMALL, LaunchConfig(16, 4, 4, 1), split_programs=split)
+    fixed = LLMEngine(str(path), block_size=8, num_blocks=128, backend=backend, cuda_graphs="eager")
     graphs = fixed.runner.graphs
     assert graphs is not None and not graphs.capture
     graphs.capacity = 64  # small, so the buffers must grow while the rows get longer
@@ -66,6 +71,8 @@ def test_fixed_buffer_decode_matches_eager_reference(tmp_path) -> None:
     assert graphs.buffers[4].static.capacity > 64
     # warm: the documents come back from the cache at new positions (non-zero deltas in decode)
     assert _run(fixed, prompts[::-1]) == _run(ref, prompts[::-1])
+    ways = {w for b in graphs.buffers.values() for _, w in b.static._layouts}
+    assert ways == {1} if not split else max(ways) >= 4, ways  # the ways grew with the rows
 
 
 def test_eager_engine_has_no_graphs_on_cpu(tmp_path) -> None:
@@ -74,14 +81,17 @@ def test_eager_engine_has_no_graphs_on_cpu(tmp_path) -> None:
     assert LLMEngine(str(path), num_blocks=32, backend=TritonBackend(), cuda_graphs=False).runner.graphs is None
 
 
-def test_lean_decode_matches_eager_general_path(tmp_path) -> None:
+@pytest.mark.parametrize("split", [0, 64])
+def test_lean_decode_matches_eager_general_path(tmp_path, split: int) -> None:
     """Warm span requests decode with deltas; tiny capacities make keys and tiles outgrow the
-    buffers; a batch over max_batch falls back to the general eager path mid-run."""
+    buffers; a batch over max_batch falls back to the general eager path mid-run. With `split`
+    both paths cut the decode rows into shares."""
     path, _ = make_tiny_model("llama", tmp_path)
     gen = torch.Generator().manual_seed(1)
     prompts = _prompts(gen, 384)[1:3] + [torch.randint(3, 384, (37,), generator=gen).tolist()]
-    eager = LLMEngine(str(path), block_size=8, num_blocks=128, backend=TritonBackend(SMALL, SMALL), cuda_graphs=False)
-    lean = LLMEngine(str(path), block_size=8, num_blocks=128, backend=TritonBackend(SMALL, SMALL), cuda_graphs="eager")
+    backend = lambda: TritonBackend(SMALL, LaunchConfig(16, 4, 4, 1), split_programs=split)  # noqa: E731
+    eager = LLMEngine(str(path), block_size=8, num_blocks=128, backend=backend(), cuda_graphs=False)
+    lean = LLMEngine(str(path), block_size=8, num_blocks=128, backend=backend(), cuda_graphs="eager")
     graphs = lean.runner.graphs
     graphs.capacity = 16
     graphs.max_batch = 2  # batch 3 runs eagerly
@@ -91,7 +101,8 @@ def test_lean_decode_matches_eager_general_path(tmp_path) -> None:
     assert sorted(graphs.buffers) == [1, 2]
     statics = [b.static for b in graphs.buffers.values()]
     assert all(s.capacity > 16 for s in statics) and any(s.tile_capacity > 4 for s in statics)
-    assert any(True in s._layouts for s in statics)  # some step rotated keys in the kernel (fused deltas)
+    assert any(fused for s in statics for fused, _ in s._layouts)  # some step rotated keys in the kernel
+    assert max(w for s in statics for _, w in s._layouts) == (1 if not split else 4)
 
 
 def _decode_chunks(rng: random.Random, bs: int) -> list[Chunk]:
@@ -115,29 +126,32 @@ def _decode_chunks(rng: random.Random, bs: int) -> list[Chunk]:
     return chunks
 
 
+@pytest.mark.parametrize("split", [None, SplitPolicy(12), SplitPolicy(40, min_tiles=1)])
 @pytest.mark.parametrize("block_n", [4, 16, 128])
-def test_packed_layout_equals_general_layout(block_n: int) -> None:
+def test_packed_layout_equals_general_layout(block_n: int, split: SplitPolicy | None) -> None:
     rng = random.Random(block_n)
     bs, small_q = 8, 4
-    static = StaticDecode(6, torch.zeros(4), torch.device("cpu"), capacity=16)
+    static = StaticDecode(6, torch.zeros(4), torch.device("cpu"), capacity=16, split=split)
     for trial in range(40):
         chunks = _decode_chunks(rng, bs)
         B = len(chunks)
         ids, plan, sample_at = build_plan(chunks, bs, torch.device("cpu"))
         lay = build_layout(plan, torch.zeros(4))
-        small, big = lay.launches(small_q, block_n, 16, 64, True)
+        small, big = lay.launches(small_q, block_n, 16, 64, True, split)
         assert StaticDecode.eligible(lay, small, big)
         rows, lean_sample_at = decode_rows(chunks)
         assert lean_sample_at == sample_at
         if static.batch != B:
-            static = StaticDecode(B, torch.zeros(4), torch.device("cpu"), capacity=16)
+            static = StaticDecode(B, torch.zeros(4), torch.device("cpu"), capacity=16, split=split)
         old = (static.capacity, static.tile_capacity)
         fixed, moved = static.load(rows, block_n)
         n_keys, n_tiles = lay.key_slots.numel(), small.tile_start.numel()
         assert moved == ((static.capacity, static.tile_capacity) != old)
         assert static.capacity >= n_keys and static.tile_capacity >= n_tiles
         got, want = fixed.fixed[0], small
-        assert torch.equal(got.desc, want.desc), trial
+        assert got.split == want.split and torch.equal(got.desc, want.desc), trial
+        if want.split > 1:
+            assert torch.equal(got.tokens, want.tokens)
         for g, w in ((got.tile_start, want.tile_start), (got.tile_end, want.tile_end),
                      (got.tile_delta, want.tile_delta)):
             assert torch.equal(g[:n_tiles], w)

@@ -43,6 +43,8 @@ BACKENDS = {
     "split": lambda: TritonBackend(LaunchConfig(32, 16, 4, 1), SMALL, split_programs=1000),
     "split-fused": lambda: TritonBackend(LaunchConfig(32, 16, 4, 1), SMALL, split_programs=1000,
                                          prerotate_prefill=False),
+    # 4-key decode tiles: decode-size rows of 32+ keys are split too, padding reaching that combine
+    "split-decode": lambda: TritonBackend(LaunchConfig(32, 16, 4, 1), LaunchConfig(16, 4, 4, 1), split_programs=1000),
 }
 
 
@@ -62,6 +64,11 @@ def test_padded_step_matches_reference(mode: str, seed: int) -> None:
     assert Tp == bucket(T, 16) and dev["write_slots"][T:].eq(-1).all()
     if shape.ways > 1:
         assert lay.fixed[1].tokens.numel() == Tp and (lay.fixed[1].tokens[T:] == -1).all()
+    if shape.small_ways > 1:
+        assert lay.fixed[0].tokens.numel() == Tp and (lay.fixed[0].tokens[T:] == -1).all()
+    small_keys = [r.num_keys for r in case.plan.rows if r.num_queries <= 8]  # 16-row programs, G = 2
+    if mode == "split-decode" and small_keys and max(small_keys) >= 32:
+        assert shape.small_ways > 1
 
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(Tp, H, D, generator=gen)

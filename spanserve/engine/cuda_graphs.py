@@ -37,7 +37,7 @@ class DecodeGraphs:
         self.capture = capture
         self.block_n: int = backend.decode_cfg.block_n  # keys per tile of the decode launch
         self.buffers: dict[int, _Buffers] = {}
-        self.graphs: dict[tuple[int, bool], tuple[Any, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, bool, int], tuple[Any, torch.Tensor]] = {}
         self.pool = GraphPool() if capture else None
         self.replays = 0  # steps served by a graph (or the fixed-buffer path)
         self.capacity = 1 << 14  # initial keys per batch size's buffers (they grow by doubling)
@@ -50,7 +50,8 @@ class DecodeGraphs:
             return None
         buf = self.buffers.get(B)
         if buf is None:
-            static = self.backend.static_decode(B, self.model.rotary.inv_freq, self.model.device, self.capacity)
+            static = self.backend.static_decode(B, self.model.rotary.inv_freq, self.model.device, self.capacity,
+                                                kv_heads=self.model.config.num_kv_heads)
             buf = self.buffers[B] = _Buffers(static, self._plan(static))
         lay, moved = buf.static.load(rows, self.block_n)
         if moved:  # captured graphs of this batch size read the old buffers
@@ -61,7 +62,7 @@ class DecodeGraphs:
         if not self.capture:
             out = self._forward(buf, buf.plan, lay)
         else:
-            key = (B, lay.has_delta)
+            key = (B, lay.has_delta, lay.fixed[0].split)
             if key not in self.graphs:
                 self.graphs[key] = self._capture(buf, buf.plan, lay)
             graph, out = self.graphs[key]

@@ -51,8 +51,8 @@ class TritonBackend(AttentionBackend):
         """`prerotate_prefill`: when some span of the prefill launch rotates, copy its keys
         (rotated) into a contiguous scratch once per layer, instead of rotating Q per span inside
         the kernel.
-        `split_programs`: split the prefill launch along keys until it has about this many
-        programs (all KV heads together); None = two per SM on CUDA, 0 = never split.
+        `split_programs`: split a launch (prefill or decode) along keys until it has about this
+        many programs (all KV heads together); None = two per SM on CUDA, 0 = never split.
         `dense_prefill`: rows of at least this many queries that attend only to their own new keys
         (a fresh prompt) go to torch's fused attention (`dense.py`) on dense K/V; None = 1024 on
         CUDA, 0 = never."""
@@ -92,8 +92,12 @@ class TritonBackend(AttentionBackend):
         return SplitPolicy(-(-target // kvh)) if target else None
 
     def static_decode(self, batch: int, inv_freq: torch.Tensor, device: torch.device,
-                      capacity: int = 1 << 14) -> StaticDecode:
-        return StaticDecode(batch, inv_freq.to(device=device, dtype=torch.float32).contiguous(), device, capacity)
+                      capacity: int = 1 << 14, kv_heads: int = 1) -> StaticDecode:
+        """Fixed-address decode layouts of `batch` rows (CUDA graphs), split like `launches`
+        splits them for `kv_heads` KV heads."""
+        dev = torch.device(device)
+        return StaticDecode(batch, inv_freq.to(device=dev, dtype=torch.float32).contiguous(), dev, capacity,
+                            self._split_policy(dev, kv_heads))
 
     def static_steps(self, G: int, kvh: int, inv_freq: torch.Tensor, device: torch.device) -> StaticSteps:
         """Fixed-address layouts for short general steps (CUDA graphs), cut like `launches` cuts

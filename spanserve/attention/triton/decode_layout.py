@@ -18,7 +18,7 @@ import torch
 
 from spanserve.attention.decode import DecodeRows
 from spanserve.attention.triton.layout import (F_KEY_BASE, F_LOC0, F_MIN_T, F_PART0, F_TOK0, F_TOK1,
-                                               NUM_FIELDS)
+                                               NUM_FIELDS, shares_in_order)
 
 _ALIGN = 64  # bytes between region starts: Triton specializes kernels on 16-byte-aligned pointers
 
@@ -66,21 +66,21 @@ def decode_spans(rows: DecodeRows, block_n: int) -> DecodeSpans:
     return out
 
 
-def descriptors(spans: DecodeSpans, pos: list[int]) -> list[list[int]]:
-    """One descriptor (NUM_FIELDS ints) per row, longest first: part 0 (the anchor prefix) is
-    empty for causal rows, part 1 is all the row's keys and tiles."""
-    out = []
-    key_base = t0 = 0
-    for b, (n, nt) in enumerate(zip(spans.n_keys, spans.row_tiles)):
-        d = [0] * NUM_FIELDS
-        d[F_TOK0], d[F_TOK1], d[F_KEY_BASE], d[F_MIN_T], d[F_LOC0] = b, b + 1, key_base, pos[b], b
-        d[F_PART0 + 2] = d[F_PART0 + 3] = d[F_PART0 + 6] = t0
-        d[F_PART0 + 5], d[F_PART0 + 7] = n, t0 + nt
-        out.append(d)
-        key_base += n
-        t0 += nt
-    out.sort(key=lambda d: d[F_PART0 + 6] - d[F_PART0 + 7])  # stable: equal rows keep their order
-    return out
+def descriptors(spans: DecodeSpans, pos: list[int], ways: int = 1) -> np.ndarray:
+    """The launch's descriptors: one per row (part 0, the anchor prefix, is empty for causal rows;
+    part 1 is all the row's keys and tiles), each cut into `ways` shares along its tiles when
+    > 1, longest first."""
+    B = len(spans.n_keys)
+    n, nt = np.array(spans.n_keys, dtype=np.int64), np.array(spans.row_tiles, dtype=np.int64)
+    t0 = np.cumsum(nt) - nt
+    d = np.zeros((B, NUM_FIELDS), dtype=np.int64)
+    d[:, F_TOK0] = d[:, F_LOC0] = np.arange(B)
+    d[:, F_TOK1] = d[:, F_TOK0] + 1
+    d[:, F_KEY_BASE] = np.cumsum(n) - n
+    d[:, F_MIN_T] = pos
+    d[:, F_PART0 + 2] = d[:, F_PART0 + 3] = d[:, F_PART0 + 6] = t0
+    d[:, F_PART0 + 5], d[:, F_PART0 + 7] = n, t0 + nt
+    return shares_in_order(d, ways)
 
 
 Offsets = dict[str, tuple[int, torch.dtype, tuple[int, ...]]]
@@ -115,12 +115,12 @@ class Regions:
     fill it share this layout. Fixed-size fields first, then the tiles, then the key slots, so a
     step copies one prefix (whole tile arrays, only the keys in use)."""
 
-    def __init__(self, batch: int, key_cap: int, tile_cap: int):
+    def __init__(self, batch: int, key_cap: int, tile_cap: int, max_ways: int = 1):
         self.batch, self.key_cap, self.tile_cap = batch, key_cap, tile_cap
         B, T, i64, i32 = batch, tile_cap, torch.int64, torch.int32
         self.offsets = pack_offsets([
             ("ids", i64, (B,)), ("positions", i64, (B,)), ("write_slots", i64, (B,)),
-            ("q_pos", i32, (B,)), ("zeros", i32, (B,)), ("desc", i32, (B, NUM_FIELDS)),
+            ("q_pos", i32, (B,)), ("zeros", i32, (B,)), ("desc", i32, (B * max_ways, NUM_FIELDS)),
             ("tile_start", i32, (T,)), ("tile_end", i32, (T,)), ("tile_delta", i32, (T,)),
             ("key_slots", i32, (key_cap,))])
         self.keys_offset = self.offsets["key_slots"][0]
@@ -175,14 +175,17 @@ class HostArrays:
         return cls(**{f: getattr(p, f).numpy() for f in cls.__dataclass_fields__})
 
 
-def write_step(host: HostArrays, rows: DecodeRows, spans: DecodeSpans, block_n: int, index: np.ndarray) -> bool:
-    """Fill a host buffer with one step; returns whether some tile rotates (fused delta).
-    `index`: arange of at least the longest row's keys (int32), which tile starts are slices of."""
+def write_step(host: HostArrays, rows: DecodeRows, spans: DecodeSpans, block_n: int, index: np.ndarray,
+               ways: int = 1) -> bool:
+    """Fill a host buffer with one step, each row's tiles shared among `ways` programs; returns
+    whether some tile rotates (fused delta). `index`: arange of at least the longest row's keys
+    (int32), which tile starts are slices of."""
     host.ids[:] = rows.ids
     host.positions[:] = rows.pos
     host.q_pos[:] = rows.pos
     host.write_slots[:] = [int(s[p]) for s, p in zip(rows.slots, rows.pos)]
-    host.desc[:] = descriptors(spans, rows.pos)
+    desc = descriptors(spans, rows.pos, ways)
+    host.desc[:len(desc)] = desc
     # tile k of a span starts at span start + k * BLOCK_N; all but a span's last end BLOCK_N later
     n = spans.total_tiles
     ts, te = host.tile_start[:n], host.tile_end[:n]

@@ -12,9 +12,11 @@ a row free: they only shift which slots a tile gathers. Two ways to apply a span
   K from there by position; tiles then ignore spans. Rotating Q inside a 128-row program costs
   more than this one memory pass, and contiguous K costs less than K gathered through slots.
 
-A launch with too few programs to fill the GPU (a short chunk over a long context) is *split*:
-each query block's tiles are shared among several programs that write partial outputs and their
-log-sum-exp, merged afterwards by a combine pass.
+A launch with too few programs to fill the GPU (a short chunk over a long context, a few decodes
+over long contexts) is *split*: each query block's tiles are shared among several programs that
+write partial outputs and their log-sum-exp, merged afterwards by a combine pass. For decodes this
+also hides the fused rotation: at one program per SM a rotating decode loop costs +6.5% over a
+plain one (16 rows x 16k keys, H100), at two or more per SM +0.4% (docs/gpu_notes.md, session 5).
 
 Each program owns up to BLOCK_Q query tokens of one row and one KV head. Its descriptor carries
 the tile ranges it must visit, computed here once per step (not once per layer). The visible set
@@ -101,8 +103,8 @@ class StepLayout:
                  split: "SplitPolicy | None" = None, dense_min: int = 0) -> tuple[Launch, Launch]:
         """The two launches: rows of at most `small_q` queries (decodes) get programs of `small_q`
         tokens and tiles of `small_n` keys, fused rotation; the rest `big_q` and `big_n`, with
-        their rotation done beforehand when `prerotate_big`, split along keys per `split`.
-        Rows of `dense_rows(dense_min)` are in neither (0: none are left out)."""
+        their rotation done beforehand when `prerotate_big`. Both are split along keys per
+        `split`. Rows of `dense_rows(dense_min)` are in neither (0: none are left out)."""
         if self.fixed is not None:
             return self.fixed
         key = (small_q, small_n, big_q, big_n, prerotate_big, split, dense_min)
@@ -110,7 +112,7 @@ class StepLayout:
             small = [r for r in self.rows if r.q_end - r.q_start <= small_q]
             big = [r for r in self.rows if r.q_end - r.q_start > small_q and not _fresh(r, dense_min)]
             pre = prerotate_big if self.has_delta else False
-            self._launches[key] = (_describe(small, small_q, small_n, self, False),
+            self._launches[key] = (_describe(small, small_q, small_n, self, False, split),
                                    _describe(big, big_q, big_n, self, pre, split))
         return self._launches[key]
 
@@ -144,12 +146,20 @@ class SplitPolicy:
 
     def ways(self, n_programs: int, max_tiles: int | None) -> int:
         """max_tiles None: ignore min_tiles, so the ways follow the program count alone (a graph's
-        shape must not change with every key count)."""
+        shape must not change with every key count). Otherwise the cap follows max_tiles rounded
+        down to a power of two, so a growing context changes the ways only when it doubles (each
+        change is a new graph for a decode batch)."""
         if n_programs == 0 or n_programs >= self.programs:
             return 1
         want = -(-self.programs // n_programs)
-        cap = self.max_split if max_tiles is None else min(max_tiles // self.min_tiles, self.max_split)
+        cap = self.max_split
+        if max_tiles is not None:
+            cap = min(_floor_pow2(max_tiles) // self.min_tiles, cap)
         return max(1, min(want, cap))
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << (int(n).bit_length() - 1) if n > 0 else 0
 
 
 def _cat_host(parts: list[torch.Tensor]) -> np.ndarray:
@@ -281,6 +291,14 @@ def _split(desc: np.ndarray, ways: int) -> np.ndarray:
     return out
 
 
+def shares_in_order(desc: np.ndarray, ways: int) -> np.ndarray:
+    """The launch's programs: each descriptor cut into `ways` shares (when > 1), longest first, so
+    the causal tail does not run alone at the end of the launch."""
+    if ways > 1:
+        desc = _split(desc, ways)
+    return desc[np.argsort(-_tile_counts(desc), kind="stable")]
+
+
 @dataclass
 class HostLaunch:
     """A launch as host arrays (`_describe_host`); `Launch` is the same on the device."""
@@ -350,10 +368,8 @@ def _describe_host(rows: list[_RowHost], bq: int, bn: int, prerotate: bool,
         ways = split.ways(len(desc), None if fixed_ways else int(_tile_counts(desc).max()))
     tokens = None
     if ways > 1:
-        desc = _split(desc, ways)
         tokens = cat([np.arange(r.q_start, r.q_end) for r in rows])
-    # Longest programs first, so the causal tail does not run alone at the end of the launch.
-    desc = desc[np.argsort(-_tile_counts(desc), kind="stable")]
+    desc = shares_in_order(desc, ways)
     tile_delta = cat([t[2] for t in tiles])
     return HostLaunch(desc, cat([t[0] for t in tiles]), cat([t[1] for t in tiles]), tile_delta,
                       bool(tile_delta.any()), ways, tokens,

@@ -16,14 +16,24 @@ import torch
 
 from spanserve.attention.decode import DecodeRows
 from spanserve.attention.triton.decode_layout import HostArrays, Packed, Regions, decode_spans, grown, write_step
-from spanserve.attention.triton.layout import Launch, StepLayout, empty_launch
+from spanserve.attention.triton.layout import Launch, SplitPolicy, StepLayout, empty_launch
 
 
 class StaticDecode:
-    def __init__(self, batch: int, inv_freq: torch.Tensor, device: torch.device, capacity: int = 1 << 14):
+    """`split`: the backend's policy for sharing a row's tiles among several programs when the
+    batch has too few rows to fill the GPU; the ways follow the batch size and the longest row's
+    tile count rounded down to a power of two, so a graph is captured again only when that
+    doubles."""
+
+    def __init__(self, batch: int, inv_freq: torch.Tensor, device: torch.device, capacity: int = 1 << 14,
+                 split: SplitPolicy | None = None):
         self.batch = batch
         self.device = torch.device(device)
         self.inv_freq = inv_freq
+        self.split = split
+        self.max_ways = 1 if split is None else split.ways(batch, None)
+        # The combine pass's launch-local token -> flat token map: a decode step's rows in order.
+        self._tokens = torch.arange(batch, dtype=torch.int32, device=self.device)
         self.capacity = 0  # keys
         self.tile_capacity = 0
         self._cuda = self.device.type == "cuda"
@@ -36,7 +46,7 @@ class StaticDecode:
 
         kc, tc = grown(self.capacity, keys, 4), grown(self.tile_capacity, tiles, 4)
         self.capacity, self.tile_capacity = kc, tc
-        self.regions = Regions(self.batch, kc, tc)
+        self.regions = Regions(self.batch, kc, tc, self.max_ways)
         self.dev = Packed.allocate(self.regions, self.device)
         # Two host buffers taken in turn: one may still feed the previous step's copy while the
         # other is written. The old ones may be freed with a copy in flight: torch's pinned-memory
@@ -47,7 +57,7 @@ class StaticDecode:
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self._unfenced: int | None = None
-        self._layouts: dict[bool, StepLayout] = {}
+        self._layouts: dict[tuple[bool, int], StepLayout] = {}
         return True
 
     @property
@@ -66,7 +76,7 @@ class StaticDecode:
     def eligible(lay: StepLayout, small: Launch, big: Launch) -> bool:
         """Decode rows only (one query each, causal), no prerotation: what a graph can replay."""
         return (big.desc.shape[0] == 0 and not lay.has_plus and small.prerotation is None
-                and small.desc.shape[0] == lay.q_pos.numel())
+                and small.desc.shape[0] == lay.q_pos.numel() * small.split)
 
     def load(self, rows: DecodeRows, block_n: int) -> tuple[StepLayout, bool]:
         """Send one decode step into the fixed buffers (one host-to-device copy, no sync).
@@ -76,6 +86,7 @@ class StaticDecode:
         if len(rows) != self.batch:
             raise ValueError(f"this static layout holds {self.batch} decode rows, the step has {len(rows)}")
         spans = decode_spans(rows, block_n)
+        ways = 1 if self.split is None else self.split.ways(self.batch, max(spans.row_tiles))
         moved = self._grow(spans.total_keys, spans.total_tiles)
         self.fence()  # in case the last step's caller did not
         i = self._turn
@@ -83,11 +94,11 @@ class StaticDecode:
         done = self._copied[i]
         if done is not None:
             done.synchronize()  # the step that last read this buffer (normally long finished)
-        fused = write_step(self._arrays[i], rows, spans, block_n, self._index)
+        fused = write_step(self._arrays[i], rows, spans, block_n, self._index, ways)
         n = self.regions.used_bytes(spans.total_keys)
         self.dev.buf[:n].copy_(self._host[i].buf[:n], non_blocking=True)
         self._unfenced = i
-        return self._layout(fused), moved
+        return self._layout(fused, ways), moved
 
     def fence(self) -> None:
         """Mark where the work reading the last loaded host buffer ends, so it is not overwritten
@@ -99,12 +110,15 @@ class StaticDecode:
             self._copied[i] = torch.cuda.Event()
         self._copied[i].record()
 
-    def _layout(self, fused: bool) -> StepLayout:
-        if fused not in self._layouts:
+    def _layout(self, fused: bool, ways: int) -> StepLayout:
+        """The fixed layout of a step with rotation `fused` and rows cut into `ways` shares: a
+        graph's key, with the batch size."""
+        if (fused, ways) not in self._layouts:
             d = self.dev
-            launch = Launch(d.desc, d.tile_start, d.tile_end, d.tile_delta, fused, None)
-            self._layouts[fused] = StepLayout(
+            launch = Launch(d.desc[:self.batch * ways], d.tile_start, d.tile_end, d.tile_delta, fused, None, ways,
+                            self._tokens if ways > 1 else None)
+            self._layouts[fused, ways] = StepLayout(
                 write_slots=d.write_slots, key_slots=d.key_slots, q_pos=d.q_pos, anchor=d.zeros, seg=d.zeros,
                 inv_freq=self.inv_freq, has_delta=fused, has_plus=False, rows=[],
                 fixed=(launch, empty_launch(self.device)))
-        return self._layouts[fused]
+        return self._layouts[fused, ways]

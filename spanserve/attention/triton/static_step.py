@@ -11,13 +11,16 @@ padded to a bucket and only *contents* change between steps:
 - each launch's programs to a power of two: padding descriptors are all zero, an empty query
   range with no tiles, which stores nothing;
 - split launches index their partial results by launch-local token over the whole padded token
-  range; `tokens` maps padding indices to -1, which the combine pass skips;
+  range; `tokens` (`tokens_small` for the decode launch) maps padding indices to -1, which the
+  combine pass skips;
 - keys and tiles live in buffers that grow by doubling (a growth moves them: graphs that read
   them are stale, and `load` says so).
 
 The prefill launch's prerotation pass reads its key count from the buffer and strides over it
-with a fixed grid; its scratch has the capacity's rows. The shares of a split launch follow the
-program count alone (not also the tile count, as in eager steps), so one workload keeps one shape.
+with a fixed grid; its scratch has the capacity's rows. The shares of a split prefill launch
+follow the program count alone (not also the tile count, as in eager steps), so one workload keeps
+one shape; a decode launch's follow the tile count rounded down to a power of two, as in eager
+steps, so decodes over short contexts are not cut into empty shares.
 All of it goes in one packed host buffer sent in one copy.
 """
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Shape:
     small: int
     big: int
     ways: int
+    small_ways: int
     small_fused: bool
     big_fused: bool
     big_prerotated: bool
@@ -68,6 +72,7 @@ class _Regions:
         self.offsets = pack_offsets([
             ("ids", i64, (T,)), ("positions", i64, (T,)), ("write_slots", i64, (T,)),
             ("q_pos", i32, (T,)), ("anchor", i32, (T,)), ("seg", i32, (T,)), ("tokens", i32, (T,)),
+            ("tokens_small", i32, (T,)),
             ("rot_count", i32, (1,)),
             ("desc_small", i32, (small, NUM_FIELDS)), ("desc_big", i32, (big, NUM_FIELDS)),
             ("tile_start", i32, (tile_cap,)), ("tile_end", i32, (tile_cap,)), ("tile_delta", i32, (tile_cap,)),
@@ -114,7 +119,7 @@ class StaticSteps:
         small = [r for r in rows if r.q_end - r.q_start <= self.small_q]
         big = [r for r in rows if r.q_end - r.q_start > self.small_q]
         pre = self.prerotate and any(r.span_delta.any() for r in big)
-        hs = _describe_host(small, self.small_q, self.small_n, False) if small else None
+        hs = _describe_host(small, self.small_q, self.small_n, False, self.split) if small else None
         hb = _describe_host(big, self.big_q, self.big_n, pre, self.split, fixed_ways=True) if big else None
         has_plus = any(h.anchor_end is not None or h.seg_start is not None for h in plan.rows)
         return rows, hs, hb, has_plus
@@ -130,7 +135,7 @@ class StaticSteps:
         ns = 0 if hs is None else len(hs.tile_start)
         nb = 0 if hb is None else len(hb.tile_start)
         shape = Shape(bucket(T, 16), bucket(0 if hs is None else len(hs.desc)), bucket(0 if hb is None else len(hb.desc)),
-                      1 if hb is None else hb.split, hs is not None and hs.fused_delta,
+                      1 if hb is None else hb.split, 1 if hs is None else hs.split, hs is not None and hs.fused_delta,
                       hb is not None and hb.fused_delta, hb is not None and hb.rot_keys is not None, has_plus)
         buf, moved = self._buffers(shape.buffers, n_keys, ns + nb)
         self.fence()
@@ -177,11 +182,12 @@ class StaticSteps:
     def _layout(self, buf: _Buffers, shape: Shape) -> StepLayout:
         d = buf.dev
 
-        def launch(desc: torch.Tensor, fused: bool, ways: int, pre: Prerotation | None = None) -> Launch:
+        def launch(desc: torch.Tensor, fused: bool, ways: int, tokens: torch.Tensor,
+                   pre: Prerotation | None = None) -> Launch:
             if desc.shape[0] == 0:
                 return empty_launch(self.device)
             return Launch(desc, d["tile_start"], d["tile_end"], d["tile_delta"], fused, pre, ways,
-                          d["tokens"] if ways > 1 else None)
+                          tokens if ways > 1 else None)
 
         pre = Prerotation(d["rot_slots"], d["rot_delta"], d["rot_count"]) if shape.big_prerotated else None
 
@@ -189,8 +195,8 @@ class StaticSteps:
             write_slots=d["write_slots"], key_slots=d["key_slots"], q_pos=d["q_pos"], anchor=d["anchor"],
             seg=d["seg"], inv_freq=self.inv_freq, has_delta=shape.small_fused or shape.big_fused,
             has_plus=shape.has_plus, rows=[],
-            fixed=(launch(d["desc_small"], shape.small_fused, 1),
-                   launch(d["desc_big"], shape.big_fused, shape.ways, pre)))
+            fixed=(launch(d["desc_small"], shape.small_fused, shape.small_ways, d["tokens_small"]),
+                   launch(d["desc_big"], shape.big_fused, shape.ways, d["tokens"], pre)))
 
 
 def _fill(a: dict[str, np.ndarray], plan: HostPlan, rows: list[_RowHost], hs: HostLaunch | None,
@@ -204,11 +210,14 @@ def _fill(a: dict[str, np.ndarray], plan: HostPlan, rows: list[_RowHost], hs: Ho
         a[name][:T] = np.concatenate([getattr(r, name) for r in rows]) if rows else 0
         a[name][T:] = 0
     a["tokens"][:] = -1
+    a["tokens_small"][:] = -1
     a["desc_small"][:] = 0
     a["desc_big"][:] = 0
     if hs is not None:
         a["desc_small"][:len(hs.desc)] = hs.desc
         a["tile_start"][:ns], a["tile_end"][:ns], a["tile_delta"][:ns] = hs.tile_start, hs.tile_end, hs.tile_delta
+        if hs.tokens is not None:
+            a["tokens_small"][:len(hs.tokens)] = hs.tokens
     if hb is not None:
         d = hb.desc.copy()
         d[:, _TILE_FIELDS] += ns  # the two launches share one tile array: the prefill tiles follow
