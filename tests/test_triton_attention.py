@@ -296,3 +296,14 @@ def test_reposition_then_attend_equals_deferred_rotation() -> None:
                           torch.tensor([mslots[-1]]))
     b = backend.forward(backend.prepare(plan2, rotary, BS), q, kv, kv, k_all[0], v_all[0])
     assert math.isclose((a - b).abs().max().item(), 0.0, abs_tol=1e-5)
+
+
+def test_split_ways_follow_programs_and_tiles() -> None:
+    from spanserve.attention.triton.layout import SplitPolicy, decode_split
+    p = SplitPolicy(33)  # 264 programs over 8 KV heads: two per SM of an H100
+    assert p.ways(16, None) == 3  # prefill launches round up
+    assert decode_split(p).ways(16, None) == 2  # decodes round down: 256 programs, one wave
+    assert decode_split(p).ways(17, None) == 1 and p.ways(40, None) == 1
+    assert p.ways(1, 37) == 8 and p.ways(1, 63) == 8 and p.ways(1, 64) == 16  # tiles floored to 2^k, 4 per share
+    assert p.ways(1, 7) == 1 and p.ways(1, 8) == 2
+    assert p.ways(1, None) == 33 and decode_split(p).ways(1, 10_000) == 33

@@ -27,7 +27,7 @@ range of tiles by binary search.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -112,7 +112,7 @@ class StepLayout:
             small = [r for r in self.rows if r.q_end - r.q_start <= small_q]
             big = [r for r in self.rows if r.q_end - r.q_start > small_q and not _fresh(r, dense_min)]
             pre = prerotate_big if self.has_delta else False
-            self._launches[key] = (_describe(small, small_q, small_n, self, False, split),
+            self._launches[key] = (_describe(small, small_q, small_n, self, False, decode_split(split)),
                                    _describe(big, big_q, big_n, self, pre, split))
         return self._launches[key]
 
@@ -143,6 +143,10 @@ class SplitPolicy:
     programs: int
     min_tiles: int = 4
     max_split: int = 64
+    # Round the ways down, so that equal programs (decodes of similar lengths) fit the wanted
+    # count: on H100, 16 decode rows x 8 KV heads cut 3 ways (384 programs for 264 resident
+    # slots) ran no faster than unsplit, cut 2 ways (256) 2.4% faster.
+    round_down: bool = False
 
     def ways(self, n_programs: int, max_tiles: int | None) -> int:
         """max_tiles None: ignore min_tiles, so the ways follow the program count alone (a graph's
@@ -151,11 +155,16 @@ class SplitPolicy:
         change is a new graph for a decode batch)."""
         if n_programs == 0 or n_programs >= self.programs:
             return 1
-        want = -(-self.programs // n_programs)
+        want = self.programs // n_programs if self.round_down else -(-self.programs // n_programs)
         cap = self.max_split
         if max_tiles is not None:
             cap = min(_floor_pow2(max_tiles) // self.min_tiles, cap)
         return max(1, min(want, cap))
+
+
+def decode_split(split: SplitPolicy | None) -> SplitPolicy | None:
+    """The policy for decode launches (rows of one or a few queries): the same, rounded down."""
+    return None if split is None else replace(split, round_down=True)
 
 
 def _floor_pow2(n: int) -> int:

@@ -16,21 +16,21 @@ import torch
 
 from spanserve.attention.decode import DecodeRows
 from spanserve.attention.triton.decode_layout import HostArrays, Packed, Regions, decode_spans, grown, write_step
-from spanserve.attention.triton.layout import Launch, SplitPolicy, StepLayout, empty_launch
+from spanserve.attention.triton.layout import Launch, SplitPolicy, StepLayout, decode_split, empty_launch
 
 
 class StaticDecode:
     """`split`: the backend's policy for sharing a row's tiles among several programs when the
-    batch has too few rows to fill the GPU; the ways follow the batch size and the longest row's
-    tile count rounded down to a power of two, so a graph is captured again only when that
-    doubles."""
+    batch has too few rows to fill the GPU (rounded down for decodes, `decode_split`); the ways
+    follow the batch size and the longest row's tile count rounded down to a power of two, so a
+    graph is captured again only when that doubles."""
 
     def __init__(self, batch: int, inv_freq: torch.Tensor, device: torch.device, capacity: int = 1 << 14,
                  split: SplitPolicy | None = None):
         self.batch = batch
         self.device = torch.device(device)
         self.inv_freq = inv_freq
-        self.split = split
+        self.split = split = decode_split(split)
         self.max_ways = 1 if split is None else split.ways(batch, None)
         # The combine pass's launch-local token -> flat token map: a decode step's rows in order.
         self._tokens = torch.arange(batch, dtype=torch.int32, device=self.device)

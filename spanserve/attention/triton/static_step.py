@@ -33,7 +33,8 @@ import torch
 from spanserve.attention.host_plan import HostPlan
 from spanserve.attention.triton.decode_layout import carve, grown, pack_offsets
 from spanserve.attention.triton.layout import (F_PART0, NUM_FIELDS, HostLaunch, Launch, Prerotation, SplitPolicy,
-                                               StepLayout, _describe_host, _RowHost, empty_launch, host_rows)
+                                               StepLayout, _describe_host, _RowHost, decode_split, empty_launch,
+                                               host_rows)
 
 _TILE_FIELDS = [F_PART0 + 2, F_PART0 + 3, F_PART0 + 6, F_PART0 + 7]
 
@@ -119,7 +120,7 @@ class StaticSteps:
         small = [r for r in rows if r.q_end - r.q_start <= self.small_q]
         big = [r for r in rows if r.q_end - r.q_start > self.small_q]
         pre = self.prerotate and any(r.span_delta.any() for r in big)
-        hs = _describe_host(small, self.small_q, self.small_n, False, self.split) if small else None
+        hs = _describe_host(small, self.small_q, self.small_n, False, decode_split(self.split)) if small else None
         hb = _describe_host(big, self.big_q, self.big_n, pre, self.split, fixed_ways=True) if big else None
         has_plus = any(h.anchor_end is not None or h.seg_start is not None for h in plan.rows)
         return rows, hs, hb, has_plus
