@@ -66,21 +66,24 @@ def decode_spans(rows: DecodeRows, block_n: int) -> DecodeSpans:
     return out
 
 
-def descriptors(spans: DecodeSpans, pos: list[int], ways: int = 1) -> np.ndarray:
-    """The launch's descriptors: one per row (part 0, the anchor prefix, is empty for causal rows;
-    part 1 is all the row's keys and tiles), each cut into `ways` shares along its tiles when
-    > 1, longest first."""
-    B = len(spans.n_keys)
-    n, nt = np.array(spans.n_keys, dtype=np.int64), np.array(spans.row_tiles, dtype=np.int64)
-    t0 = np.cumsum(nt) - nt
-    d = np.zeros((B, NUM_FIELDS), dtype=np.int64)
-    d[:, F_TOK0] = d[:, F_LOC0] = np.arange(B)
-    d[:, F_TOK1] = d[:, F_TOK0] + 1
-    d[:, F_KEY_BASE] = np.cumsum(n) - n
-    d[:, F_MIN_T] = pos
-    d[:, F_PART0 + 2] = d[:, F_PART0 + 3] = d[:, F_PART0 + 6] = t0
-    d[:, F_PART0 + 5], d[:, F_PART0 + 7] = n, t0 + nt
-    return shares_in_order(d, ways)
+def descriptors(spans: DecodeSpans, pos: list[int], ways: int = 1) -> list[list[int]] | np.ndarray:
+    """The launch's descriptors (NUM_FIELDS ints each), longest first: one per row (part 0, the
+    anchor prefix, is empty for causal rows; part 1 is all the row's keys and tiles), each cut
+    into `ways` shares along its tiles when > 1."""
+    out = []
+    key_base = t0 = 0
+    for b, (n, nt) in enumerate(zip(spans.n_keys, spans.row_tiles)):
+        d = [0] * NUM_FIELDS
+        d[F_TOK0], d[F_TOK1], d[F_KEY_BASE], d[F_MIN_T], d[F_LOC0] = b, b + 1, key_base, pos[b], b
+        d[F_PART0 + 2] = d[F_PART0 + 3] = d[F_PART0 + 6] = t0
+        d[F_PART0 + 5], d[F_PART0 + 7] = n, t0 + nt
+        out.append(d)
+        key_base += n
+        t0 += nt
+    if ways > 1:
+        return shares_in_order(np.array(out, dtype=np.int64), ways)
+    out.sort(key=lambda d: d[F_PART0 + 6] - d[F_PART0 + 7])  # stable, as shares_in_order sorts
+    return out
 
 
 Offsets = dict[str, tuple[int, torch.dtype, tuple[int, ...]]]
