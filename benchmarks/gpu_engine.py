@@ -172,6 +172,23 @@ def synced_step(eng: LLMEngine) -> float:
     return time.perf_counter() - t0
 
 
+def itl_loop(eng: LLMEngine, prompt: list[int], steps: int) -> tuple[float, list[int]]:
+    """Seconds per decode step of an uninterrupted run at batch 1, after prefill and 4 steps, and
+    the greedy tokens."""
+    req = eng.add_request(prompt, SamplingParams(max_tokens=steps + 6, ignore_eos=True, temperature=0))
+    for _ in range(4):
+        eng.step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    sync()
+    dt = (time.perf_counter() - t0) / steps
+    while eng.has_unfinished():
+        eng.step()
+    return dt, req.output_token_ids
+
+
 def prefill_and_decode(model, n_prefill: int, steps: int, peak_tflops: float, bw: float, rows: list) -> dict:
     c = model.config
     eng = LLMEngine(model, device=DEV, dtype="bfloat16", max_num_batched_tokens=n_prefill + 16,
@@ -196,42 +213,12 @@ def prefill_and_decode(model, n_prefill: int, steps: int, peak_tflops: float, bw
     while eng.has_unfinished():
         step_t.append(synced_step(eng))
     d = median(step_t[3:])
-    loops = []
-    for _ in range(3):
-        eng.add_request(torch.randint(3, 128000, (512,), generator=gen).tolist(), SamplingParams(max_tokens=steps + 4, ignore_eos=True))
-        for _ in range(4):  # prefill and the first decodes
-            eng.step()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            eng.step()
-        sync()
-        loops.append((time.perf_counter() - t0) / steps)
-        while eng.has_unfinished():
-            eng.step()
-    itl = median(loops)
+    itl = median([itl_loop(eng, torch.randint(3, 128000, (512,), generator=gen).tolist(), steps)[0] for _ in range(3)])
     weight_bytes = sum(v.numel() * v.element_size() for k, v in model.weights.items() if k != "model.embed_tokens.weight")
     bound = weight_bytes / (bw * 1e9)
     rows.append(("decode batch 1 step (synced each step)", f"{d * 1e3:.2f} ms", f"bound {bound * 1e3:.2f} ms ({d / bound:.2f}x)"))
     rows.append(("decode batch 1 inter-token latency", f"{itl * 1e3:.2f} ms", f"bound {bound * 1e3:.2f} ms ({itl / bound:.2f}x)"))
     return {"prefill_s": t, "prefill_tflops": achieved, "decode_step_s": d, "decode_itl_s": itl, "decode_bound_s": bound}
-
-
-def itl_loop(eng: LLMEngine, prompt: list[int], steps: int) -> tuple[float, list[int]]:
-    """Seconds per decode step of an uninterrupted run at batch 1, after prefill and 4 steps, and
-    the greedy tokens."""
-    req = eng.add_request(prompt, SamplingParams(max_tokens=steps + 6, ignore_eos=True, temperature=0))
-    for _ in range(4):
-        eng.step()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    sync()
-    dt = (time.perf_counter() - t0) / steps
-    while eng.has_unfinished():
-        eng.step()
-    return dt, req.output_token_ids
 
 
 def long_decode(model, n_ctx: int, steps: int, rows: list) -> dict:
