@@ -14,6 +14,7 @@ from spanserve.cache.block_pool import BlockPool
 from spanserve.cache.manager import CacheManager
 from spanserve.cache.storage import KVStorage, bytes_per_block
 from spanserve.engine.layout import Segment, checked_many, checked_tokens, resolve
+from spanserve.engine.detokenize import IncrementalText
 from spanserve.engine.outputs import RequestOutput, find_stop
 from spanserve.engine.request import Request, Status
 from spanserve.engine.runner import ModelRunner
@@ -202,7 +203,9 @@ class LLMEngine:
         self.counters["generation_tokens"] += 1
         p = req.params
         prev_len = len(req.text)
-        req.text = self._detok(req.output_token_ids)
+        if req.detok is None:
+            req.detok = IncrementalText(self._detok)
+        req.text = req.detok.update(req.output_token_ids)
         reason: str | None = None
         if tok in p.stop_token_ids:
             reason, req.stop_reason = "stop", tok
@@ -217,6 +220,8 @@ class LLMEngine:
         elif len(main.tokens) >= self.max_model_len:
             reason = "length"
         if reason is not None:
+            if not isinstance(req.stop_reason, str):  # not cut at a stop string: all of the text
+                req.text = req.detok.update(req.output_token_ids, final=True)
             req.finish_reason = reason
             self.scheduler.finish(req)
 

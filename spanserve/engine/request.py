@@ -10,6 +10,7 @@ import torch
 
 from spanserve.cache.block_pool import Block
 from spanserve.cache.table import Entry, Table, delta_array, slot_array
+from spanserve.engine.detokenize import IncrementalText
 from spanserve.engine.layout import Piece
 from spanserve.engine.sampling import SamplingParams, TokenLogprobs
 
@@ -77,6 +78,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""
+    detok: IncrementalText | None = None  # the engine's incremental decoding of the output
     first_token_time: float | None = None
     # cache state, owned by the cache manager while the request holds blocks
     tasks: list[Task] = field(default_factory=list)
