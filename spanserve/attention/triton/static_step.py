@@ -106,6 +106,7 @@ class StaticSteps:
     def __init__(self, small_q: int, small_n: int, big_q: int, big_n: int, split: SplitPolicy | None,
                  prerotate: bool, inv_freq: torch.Tensor, device: torch.device):
         self.small_q, self.small_n, self.big_q, self.big_n, self.split = small_q, small_n, big_q, big_n, split
+        self.small_split = decode_split(split)
         self.prerotate = prerotate
         self.inv_freq = inv_freq
         self.device = torch.device(device)
@@ -120,7 +121,7 @@ class StaticSteps:
         small = [r for r in rows if r.q_end - r.q_start <= self.small_q]
         big = [r for r in rows if r.q_end - r.q_start > self.small_q]
         pre = self.prerotate and any(r.span_delta.any() for r in big)
-        hs = _describe_host(small, self.small_q, self.small_n, False, decode_split(self.split)) if small else None
+        hs = _describe_host(small, self.small_q, self.small_n, False, self.small_split) if small else None
         hb = _describe_host(big, self.big_q, self.big_n, pre, self.split, fixed_ways=True) if big else None
         has_plus = any(h.anchor_end is not None or h.seg_start is not None for h in plan.rows)
         return rows, hs, hb, has_plus
