@@ -205,10 +205,21 @@ MODES: dict[str, tuple[str, tuple[int, int], bool, bool]] = {
 }
 
 
-def time_rows(label: str, rows_by_mode: dict[str, list[Row]], cfgs: list[LaunchConfig], decode: bool,
-              flops: float, kv_bytes: float) -> None:
-    """Times attention alone (with its per-layer prerotation) for each launch config and mode,
-    modes interleaved twice."""
+def interleaved(runs: dict[str, tuple[TritonBackend, Any]], q: torch.Tensor, kc: torch.Tensor,
+                vc: torch.Tensor) -> dict[str, list[float]]:
+    """Milliseconds of attention alone for each (backend, prepared layout), all of them twice in
+    turn (so a drift of the clock or the card hits every mode alike)."""
+    times: dict[str, list[float]] = {m: [] for m in runs}
+    for _ in range(2):
+        for m, (tb, lay) in runs.items():
+            times[m].append(bench(lambda tb=tb, lay=lay: tb.attend(lay, q, kc, vc)))
+    return times
+
+
+def time_rows(label: str, rows_by_mode: dict[str, list[Row]], cfgs: list[LaunchConfig], flops: float,
+              kv_bytes: float) -> None:
+    """Times prefill attention alone (with its per-layer prerotation) for each launch config and
+    mode, modes interleaved twice."""
     nb = max(int(r.key_slots.max()) for rs in rows_by_mode.values() for r in rs) // BS + 1
     kc, vc = caches(nb, TDT)
     T = sum(r.num_queries for r in next(iter(rows_by_mode.values())))
@@ -216,9 +227,7 @@ def time_rows(label: str, rows_by_mode: dict[str, list[Row]], cfgs: list[LaunchC
     for cfg in cfgs:
         runs = {}
         for m, rs in rows_by_mode.items():
-            pre = MODES[m][2]
-            cfgs = {"decode": cfg} if decode else {"prefill": cfg}
-            tb = TritonBackend(**cfgs, prerotate_prefill=pre, dense_prefill=0)
+            tb = TritonBackend(prefill=cfg, prerotate_prefill=MODES[m][2], dense_prefill=0)
             lay = tb.prepare(plan_for(rs), ROT, BS)
             if m == "zero copied":
                 lay.has_delta = True  # take the prerotation path although every delta is 0
@@ -228,10 +237,7 @@ def time_rows(label: str, rows_by_mode: dict[str, list[Row]], cfgs: list[LaunchC
                     for launch in launches:
                         launch.fused_delta = True
             runs[m] = (tb, lay)
-        times: dict[str, list[float]] = {m: [] for m in runs}
-        for _ in range(2):
-            for m, (tb, lay) in runs.items():
-                times[m].append(bench(lambda tb=tb, lay=lay: tb.attend(lay, q, kc, vc)))
+        times = interleaved(runs, q, kc, vc)
         key = f"{label} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
         zero = min(times["zero"])
         entry: dict[str, Any] = {}
@@ -239,8 +245,7 @@ def time_rows(label: str, rows_by_mode: dict[str, list[Row]], cfgs: list[LaunchC
             best = min(ts)
             entry[m] = {"ms": ts, "overhead_vs_zero": best / zero - 1, "TFLOPs": flops / best / 1e9,
                         "TBps": kv_bytes / best / 1e9}
-            rate = f"{flops / best / 1e9:.0f} TFLOP/s" if not decode else f"{kv_bytes / best / 1e9:.2f} TB/s"
-            TABLE.append((f"{key} {m}", f"{ts[0]:.3f} / {ts[1]:.3f} ms, {rate}",
+            TABLE.append((f"{key} {m}", f"{ts[0]:.3f} / {ts[1]:.3f} ms, {flops / best / 1e9:.0f} TFLOP/s",
                           "" if m == "zero" else f"{100 * (best / zero - 1):+.2f}%"))
         RESULTS["timings"][key] = entry
 
@@ -265,7 +270,7 @@ def time_prefill() -> None:
     modes = ("zero", "seg", "seg4k", "block", "zero copied", "seg fused", "delta-kernel zero")
     for nq, label in ((N_LONG, f"prefill {N_LONG // 1024}k row"), (N_CHUNK, f"chunk {N_CHUNK} over {N_LONG // 1024}k")):
         rows = mode_rows(modes, [N_LONG], nq, 11)
-        time_rows(label, rows, PREFILL_CFGS, False, causal_flops(nq, N_LONG), 2.0 * N_LONG * KVH * D * 2)
+        time_rows(label, rows, PREFILL_CFGS, causal_flops(nq, N_LONG), 2.0 * N_LONG * KVH * D * 2)
     # The per-layer prerotation pass alone, for the 16k row with 300..700-key segments.
     tb = TritonBackend(dense_prefill=0)
     lay = tb.prepare(plan_for(mode_rows(("seg",), [N_LONG], N_LONG, 11)["seg"]), ROT, BS)
@@ -350,10 +355,7 @@ def time_decode() -> None:
                     errs[m] = ((got - want).norm() / want.norm()).item()
                     if not errs[m] < 1e-2:
                         RESULTS.setdefault("errors", []).append(f"decode {batch}x{ctx} {m}: rel err {errs[m]:.2e}")
-            times: dict[str, list[float]] = {m: [] for m in runs}
-            for _ in range(2):
-                for m, (tb, lay) in runs.items():
-                    times[m].append(bench(lambda tb=tb, lay=lay: tb.attend(lay, q, kc, vc)))
+            times = interleaved(runs, q, kc, vc)
             key = f"decode {batch}x{ctx} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
             entry: dict[str, Any] = {}
             for m, ts in times.items():
