@@ -7,6 +7,7 @@ import torch
 from spanserve.attention.backend import AttentionBackend
 from spanserve.attention.decode import DecodeRows
 from spanserve.attention.host_plan import HostPlan
+from spanserve.attention.paths import GraphLimits, StepPath, StepShape, step_path
 from spanserve.attention.plan import AttentionPlan, HostRow, Row
 from spanserve.cache.storage import KVStorage
 from spanserve.engine.cuda_graphs import DecodeGraphs, StepGraphs
@@ -120,22 +121,26 @@ class ModelRunner:
             ))
         return out
 
+    def _path(self, chunks: list[Chunk], decode_only: bool) -> StepPath:
+        limits = None
+        if self.graphs is not None and self.step_graphs is not None:
+            limits = GraphLimits(self.graphs.max_batch, self.step_graphs.max_tokens)
+        shape = StepShape(len(chunks), sum(len(c.positions) for c in chunks), decode_only,
+                          any(c.recompute is not None for c in chunks))
+        return step_path(shape, limits)
+
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
         """Logits [n_sampled, vocab] (float32) and, per chunk, its row in them or -1."""
-        if self.graphs is not None:
-            # Decode-only steps skip the general plan: their fixed buffers are filled from host
-            # arrays in one copy (on a GPU the host work is what the step waits for).
-            dec = decode_rows(chunks)
-            if dec is not None:
-                hidden = self.graphs.run(dec[0])
-                if hidden is not None:
-                    return self._logits(hidden, dec[1])
+        # Decode-only steps skip the general plan: their fixed buffers are filled from host
+        # arrays in one copy (on a GPU the host work is what the step waits for).
+        dec = decode_rows(chunks) if self.graphs is not None else None
+        path = self._path(chunks, dec is not None)
+        if path is StepPath.DECODE_GRAPH:
+            return self._logits(self.graphs.run(dec[0]), dec[1])
         hp, sample_at = host_plan(chunks)
-        if self.step_graphs is not None and all(c.recompute is None for c in chunks):
-            hidden = self.step_graphs.run(hp)
-            if hidden is not None:
-                return self._logits(hidden, sample_at)
+        if path is StepPath.STEP_GRAPH:
+            return self._logits(self.step_graphs.run(hp), sample_at)
         ids, plan = device_plan(hp, self.model.device)
         rows = self._recompute_rows(chunks, plan)
         hooks = Recompute(rows, ids.numel(), self.model.rotary, self.storage.block_size) if rows else None

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spanserve.model.layers import Rotary, apply_rotary
+from spanserve.rope import Rotary, apply_rotary
 from spanserve.reuse.policies import CacheBlend, Policy, SparseQ
 
 
