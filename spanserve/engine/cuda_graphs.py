@@ -42,11 +42,15 @@ class DecodeGraphs:
         self.replays = 0  # steps served by a graph (or the fixed-buffer path)
         self.capacity = 1 << 14  # initial keys per batch size's buffers (they grow by doubling)
 
+    def accepts(self, rows: DecodeRows) -> bool:
+        """Whether `run` serves this step (else it runs eagerly)."""
+        return 0 < len(rows) <= self.max_batch
+
     def run(self, rows: DecodeRows) -> torch.Tensor | None:
         """Hidden states [B, hidden] of a decode-only step, or None when its batch has no graph
         (run it eagerly)."""
         B = len(rows)
-        if B == 0 or B > self.max_batch:
+        if not self.accepts(rows):
             return None
         buf = self.buffers.get(B)
         if buf is None:

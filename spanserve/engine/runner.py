@@ -1,6 +1,8 @@
 """Model runner: turns a step's chunks into one flat batch and one attention plan."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -12,7 +14,7 @@ from spanserve.cache.storage import KVStorage
 from spanserve.engine.cuda_graphs import DecodeGraphs, StepGraphs
 from spanserve.engine.scheduler import Chunk
 from spanserve.model.llama import LlamaModel
-from spanserve.reuse.recompute import Recompute, RecomputeRow
+from spanserve.reuse.recompute import Recompute, RecomputeRow, RecomputeSpec
 
 
 def host_plan(chunks: list[Chunk]) -> tuple[HostPlan, list[int]]:
@@ -84,6 +86,17 @@ def decode_rows(chunks: list[Chunk]) -> tuple[DecodeRows, list[int]] | None:
     return DecodeRows(ids, pos, slots, deltas), sample_at
 
 
+@dataclass
+class StepInput:
+    """One step as host data: a decode-only step's rows (for the decode graphs) or the general
+    plan, the selective rows (chunk index, spec, per-token reused flags), and sample_at."""
+
+    sample_at: list[int]
+    decode: DecodeRows | None = None
+    host: HostPlan | None = None
+    recompute: list[tuple[int, RecomputeSpec, list[bool]]] = field(default_factory=list)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, storage: KVStorage, backend: AttentionBackend,
                  graphs: "bool | str" = "auto"):
@@ -103,48 +116,67 @@ class ModelRunner:
             self.step_graphs = StepGraphs(model, backend, self.k_caches, self.v_caches, self.graphs.pool,
                                           capture=graphs != "eager")
 
-    def _recompute_rows(self, chunks: list[Chunk], plan: AttentionPlan) -> list[RecomputeRow]:
+    def _recompute_rows(self, step: "StepInput", plan: AttentionPlan) -> list[RecomputeRow]:
         out = []
-        for c, row in zip(chunks, plan.rows):
-            spec = c.recompute
-            if spec is None:
-                continue
-            reused = set(spec.reused)
+        for r, spec, reused in step.recompute:
+            row = plan.rows[r]
             dev = row.q_pos.device
             out.append(RecomputeRow(
                 spec=spec,
                 flat=torch.arange(row.q_start, row.q_end, device=dev),
-                is_reused=torch.tensor([p in reused for p in c.positions], dtype=torch.bool, device=dev),
+                is_reused=torch.tensor(reused, dtype=torch.bool, device=dev),
                 key_slots=row.key_slots, key_delta=row.key_delta, q_pos=row.q_pos,
                 decision_layer=spec.policy.decision_layer(self.model.config.num_layers),
             ))
         return out
 
-    @torch.inference_mode()
-    def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
-        """Logits [n_sampled, vocab] (float32) and, per chunk, its row in them or -1."""
+    def prepare(self, chunks: list[Chunk]) -> "StepInput":
+        """The step as host data only: what `execute` runs (on this process or, under tensor
+        parallelism, on every rank)."""
         if self.graphs is not None:
             # Decode-only steps skip the general plan: their fixed buffers are filled from host
             # arrays in one copy (on a GPU the host work is what the step waits for).
             dec = decode_rows(chunks)
-            if dec is not None:
-                hidden = self.graphs.run(dec[0])
-                if hidden is not None:
-                    return self._logits(hidden, dec[1])
+            if dec is not None and self.graphs.accepts(dec[0]):
+                return StepInput(dec[1], decode=dec[0])
         hp, sample_at = host_plan(chunks)
-        if self.step_graphs is not None and all(c.recompute is None for c in chunks):
+        recompute = []
+        for r, c in enumerate(chunks):
+            if c.recompute is not None:
+                reused = set(c.recompute.reused)
+                recompute.append((r, c.recompute, [p in reused for p in c.positions]))
+        return StepInput(sample_at, host=hp, recompute=recompute)
+
+    @torch.inference_mode()
+    def execute(self, step: "StepInput") -> tuple[torch.Tensor, list[RecomputeRow]]:
+        """Hidden states of the step's tokens, and its selective rows (with their stats)."""
+        if step.decode is not None:
+            assert self.graphs is not None
+            hidden = self.graphs.run(step.decode)
+            assert hidden is not None
+            return hidden, []
+        hp = step.host
+        assert hp is not None
+        if self.step_graphs is not None and not step.recompute:
             hidden = self.step_graphs.run(hp)
             if hidden is not None:
-                return self._logits(hidden, sample_at)
+                return hidden, []
         ids, plan = device_plan(hp, self.model.device)
-        rows = self._recompute_rows(chunks, plan)
-        hooks = Recompute(rows, ids.numel(), self.model.rotary, self.storage.block_size) if rows else None
-        hidden = self.model.forward(ids, plan, self.backend, self.k_caches, self.v_caches, hooks)
-        for c, r in zip([c for c in chunks if c.recompute is not None], rows):
-            c.request.recompute_stats = r.stats
-        return self._logits(hidden, sample_at)
+        rows = self._recompute_rows(step, plan)
+        hooks = Recompute(rows, ids.numel(), self.model.rotary, self.storage.block_size,
+                          reduce=self.model.all_reduce) if rows else None
+        return self.model.forward(ids, plan, self.backend, self.k_caches, self.v_caches, hooks), rows
 
-    def _logits(self, hidden: torch.Tensor, sample_at: list[int]) -> tuple[torch.Tensor, list[int]]:
+    @torch.inference_mode()
+    def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
+        """Logits [n_sampled, vocab] (float32) and, per chunk, its row in them or -1."""
+        step = self.prepare(chunks)
+        hidden, rows = self.execute(step)
+        for (i, _, _), r in zip(step.recompute, rows):
+            chunks[i].request.recompute_stats = r.stats
+        return self.logits(hidden, step.sample_at)
+
+    def logits(self, hidden: torch.Tensor, sample_at: list[int]) -> tuple[torch.Tensor, list[int]]:
         picks = [i for i in sample_at if i >= 0]
         if not picks or picks[-1] - picks[0] == len(picks) - 1:  # consecutive (every decode row): a view
             hidden = hidden[picks[0]:picks[-1] + 1] if picks else hidden[:0]
