@@ -28,7 +28,8 @@ def test_replicated_kv_heads_then_a_killed_worker():
     model = RandomWeights(ONE_KV, seed=5)
     one = LLM(model, block_size=4, num_blocks=256)
     two = LLM(model, block_size=4, num_blocks=256, tensor_parallel_size=2)
-    prompt = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    # 700 tokens in one step: its message (ids, positions, slots: ~22 KB) takes two broadcasts
+    prompt = torch.randint(0, 97, (700,), generator=torch.Generator().manual_seed(0)).tolist()
     s1, s2 = capture_logits(one.engine), capture_logits(two.engine)
     (a,), (b,) = run_all(one.engine, [prompt]), run_all(two.engine, [prompt])
     torch.testing.assert_close(s2[b], s1[a], rtol=0, atol=1e-4)

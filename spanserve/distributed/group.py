@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 # Workers wait on the control channel for as long as the engine is idle (a server with no
 # requests): its collectives must never time out. Peer death is seen as a closed connection.
 _IDLE_FOREVER = datetime.timedelta(days=365)
+_HEAD = 16 << 10  # bytes of a message's first broadcast
 
 
 def free_port() -> int:
@@ -37,9 +39,13 @@ class TPGroup:
     world: int
     device: torch.device
     control: Any
+    # Partial products of row-parallel projections kept in float32 through the all-reduce and
+    # rounded once, as one GPU's GEMM rounds its float32 accumulator once: bf16 TP=N then tracks
+    # TP=1 closely (at twice the bytes on the wire).
+    float32_reduce: bool = False
 
     @classmethod
-    def join(cls, rank: int, world: int, port: int, device_type: str) -> "TPGroup":
+    def join(cls, rank: int, world: int, port: int, device_type: str, float32_reduce: bool = False) -> "TPGroup":
         device = rank_device(device_type, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -50,13 +56,21 @@ class TPGroup:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=_IDLE_FOREVER, **kwargs)
         control = dist.new_group(backend="gloo", timeout=_IDLE_FOREVER) if backend != "gloo" else dist.group.WORLD
-        return cls(rank, world, device, control)
+        return cls(rank, world, device, control, float32_reduce)
 
     # ---- the model's collectives ---------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (row-parallel projections' partial outputs)."""
         dist.all_reduce(x)
         return x
+
+    def row_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks of x @ weight.T (this rank's input columns)."""
+        if not self.float32_reduce or x.dtype == torch.float32:
+            return self.all_reduce(F.linear(x, weight))
+        part = _mm_float32(x.reshape(-1, x.shape[-1]), weight.t())
+        dist.all_reduce(part)
+        return part.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[n, V/world] shards of the vocabulary-parallel LM head -> [n, V] on every rank."""
@@ -66,19 +80,30 @@ class TPGroup:
 
     # ---- the control channel ------------------------------------------------------------------
     def send(self, obj: Any) -> None:
-        """Driver: one message to every worker (a size, then the pickled bytes)."""
+        """Driver: one message to every worker. Messages up to _HEAD bytes (a step's host data
+        usually) cost one broadcast; longer ones a second for the rest."""
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, 0, group=self.control)
-        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=self.control)
+        head = torch.zeros(_HEAD, dtype=torch.uint8)
+        head[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+        first = data[:_HEAD - 8]
+        if first:
+            head[8:8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        dist.broadcast(head, 0, group=self.control)
+        if len(data) > len(first):
+            dist.broadcast(torch.frombuffer(bytearray(data[len(first):]), dtype=torch.uint8), 0, group=self.control)
 
     def recv(self) -> Any:
         """Worker: the driver's next message."""
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(size, 0, group=self.control)
-        buf = torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(buf, 0, group=self.control)
-        return pickle.loads(buf.numpy().tobytes())
+        head = torch.empty(_HEAD, dtype=torch.uint8)
+        dist.broadcast(head, 0, group=self.control)
+        raw = head.numpy().tobytes()
+        n = int.from_bytes(raw[:8], "little")
+        data = raw[8:8 + n]
+        if n > len(data):
+            rest = torch.empty(n - len(data), dtype=torch.uint8)
+            dist.broadcast(rest, 0, group=self.control)
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
 
     def min_over_ranks(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
@@ -88,6 +113,15 @@ class TPGroup:
     def leave(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with a float32 result from reduced-precision inputs (cuBLAS accumulates in float32
+    and skips the rounding); where that overload is missing, the rounded product in float32."""
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return torch.mm(a, b).float()
 
 
 def quiet_threads() -> None:

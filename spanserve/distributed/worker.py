@@ -29,6 +29,7 @@ class WorkerArgs:
     dtype: torch.dtype
     config: ModelConfig  # the whole model's
     source: Any  # a spanserve.distributed.weights source
+    float32_reduce: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def free_memory(device: torch.device) -> int:
 
 def worker_main(args: WorkerArgs) -> None:
     quiet_threads()
-    group = TPGroup.join(args.rank, args.world, args.port, args.device_type)
+    group = TPGroup.join(args.rank, args.world, args.port, args.device_type, args.float32_reduce)
     try:
         model = load_shard(group, args.config, args.source, args.dtype)
         group.min_over_ranks(free_memory(group.device))

@@ -55,6 +55,7 @@ class LLMEngine:
         cuda_graphs: "bool | str" = "auto",
         tensor_parallel_size: int = 1,
         tp_on_failure: str = "raise",
+        tp_float32_reduce: bool = False,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -68,12 +69,13 @@ class LLMEngine:
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         # tensor_parallel_size > 1: worker processes hold the other shards (spanserve.distributed);
-        # tp_on_failure: "raise" WorkerDied when one dies, or "exit" the process (a server)
+        # tp_on_failure: "raise" WorkerDied when one dies, or "exit" the process (a server);
+        # tp_float32_reduce: row-parallel partial sums in float32 (bf16 TP tracks TP=1 closely)
         self.tp = None
         if tensor_parallel_size > 1:
             from spanserve.distributed.driver import TPDriver
 
-            self.tp = TPDriver(model, tensor_parallel_size, self.device, self.dtype, tp_on_failure)
+            self.tp = TPDriver(model, tensor_parallel_size, self.device, self.dtype, tp_on_failure, tp_float32_reduce)
             self.config, self.tokenizer, self.model = self.tp.config, self.tp.tokenizer, self.tp.model
         else:
             if isinstance(model, RandomWeights):

@@ -77,6 +77,8 @@ class Collectives(Protocol):
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
 
+    def row_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor: ...
 
 
@@ -176,8 +178,8 @@ class LlamaModel:
             if hooks is not None:
                 hooks.after_write(i, q, k, v, idx, k_caches[i], v_caches[i])
             attn = backend.attend(prepared, q, k_caches[i], v_caches[i])
-            x, hx = ops.add_rms_norm(self.all_reduce(F.linear(attn, L.o)), hx, L.post_norm, c.rms_norm_eps)
-            hx = hx + self.all_reduce(F.linear(ops.silu_mul(F.linear(x, L.gate_up)), L.down))
+            x, hx = ops.add_rms_norm(self.row_linear(attn, L.o), hx, L.post_norm, c.rms_norm_eps)
+            hx = hx + self.row_linear(ops.silu_mul(F.linear(x, L.gate_up)), L.down)
             if idx is None:
                 h = hx
             else:
@@ -186,6 +188,10 @@ class LlamaModel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.group is None else self.group.all_reduce(x)
+
+    def row_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T; on a shard, the partial products summed over ranks (o and down)."""
+        return F.linear(x, weight) if self.group is None else self.group.row_linear(x, weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = F.linear(hidden, self.lm_head)
