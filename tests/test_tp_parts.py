@@ -117,3 +117,26 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
         check_devices(2, torch.device("cuda"))
     with pytest.raises(ValueError, match="GPUs 0..N-1"):
         check_devices(1, torch.device("cuda", 1))
+
+
+def test_row_parallel_sums_in_either_precision():
+    """One rank of a gloo group: the float32 path returns the model dtype and the row shape of x
+    (leading dims kept), within bf16 rounding of the float32 product; the plain path is F.linear."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from spanserve.distributed.group import TPGroup, free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(3, 5, 64, generator=g).to(torch.bfloat16)
+        w = torch.randn(32, 64, generator=g).to(torch.bfloat16)
+        ref = x.float() @ w.float().t()
+        f32 = TPGroup(0, 1, torch.device("cpu"), dist.group.WORLD, float32_reduce=True).row_linear(x, w)
+        assert f32.dtype == torch.bfloat16 and f32.shape == (3, 5, 32)
+        torch.testing.assert_close(f32.float(), ref, rtol=2 ** -7, atol=1e-2)
+        plain = TPGroup(0, 1, torch.device("cpu"), dist.group.WORLD).row_linear(x, w)
+        torch.testing.assert_close(plain, F.linear(x, w), rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()

@@ -44,6 +44,10 @@ class TPGroup:
     # TP=1 closely (at twice the bytes on the wire).
     float32_reduce: bool = False
 
+    def __post_init__(self) -> None:
+        # Probed once, outside any CUDA graph capture (an exception there would spoil it).
+        self._native_f32 = self.float32_reduce and _has_mm_out_dtype(self.device)
+
     @classmethod
     def join(cls, rank: int, world: int, port: int, device_type: str, float32_reduce: bool = False) -> "TPGroup":
         device = rank_device(device_type, rank)
@@ -68,7 +72,7 @@ class TPGroup:
         """Sum over ranks of x @ weight.T (this rank's input columns)."""
         if not self.float32_reduce or x.dtype == torch.float32:
             return self.all_reduce(F.linear(x, weight))
-        part = _mm_float32(x.reshape(-1, x.shape[-1]), weight.t())
+        part = _mm_float32(x.reshape(-1, x.shape[-1]), weight.t(), self._native_f32)
         dist.all_reduce(part)
         return part.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
@@ -115,13 +119,18 @@ class TPGroup:
             dist.destroy_process_group()
 
 
-def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with a float32 result from reduced-precision inputs (cuBLAS accumulates in float32
-    and skips the rounding); where that overload is missing, the rounded product in float32."""
+def _has_mm_out_dtype(device: torch.device) -> bool:
+    a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
     try:
-        return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
     except (RuntimeError, TypeError, NotImplementedError):
-        return torch.mm(a, b).float()
+        return False
+
+
+def _mm_float32(a: torch.Tensor, b: torch.Tensor, native: bool) -> torch.Tensor:
+    """a @ b with a float32 result from reduced-precision inputs: `native` (cuBLAS accumulates
+    in float32 and skips the rounding), else the rounded product in float32."""
+    return torch.mm(a, b, out_dtype=torch.float32) if native else torch.mm(a, b).float()
 
 
 def quiet_threads() -> None:

@@ -42,10 +42,23 @@ class EngineInit:
     cuda_graphs: Any
 
 
+class _Consumed(dict):
+    """Hands each tensor out once and forgets it: the model's stacked copies (qkv, gate_up)
+    replace the pieces as it builds, instead of both living until it is done (a 70B shard's
+    pieces are ~44 GB)."""
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.pop(name)
+
+
 def load_shard(group: TPGroup, config: ModelConfig, source: Any, dtype: torch.dtype) -> LlamaModel:
     plan = ShardPlan(config, group.rank, group.world)
-    weights = source.shard(plan, dtype, group.device)
-    return LlamaModel(plan.local_config(), weights, dtype, group.device, group=group, vocab_size=config.vocab_size)
+    weights = _Consumed(source.shard(plan, dtype, group.device))
+    model = LlamaModel(plan.local_config(), weights, dtype, group.device, group=group, vocab_size=config.vocab_size)
+    del weights
+    if group.device.type == "cuda":
+        torch.cuda.empty_cache()  # what loading freed is free for the KV pool
+    return model
 
 
 def free_memory(device: torch.device) -> int:
