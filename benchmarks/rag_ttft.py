@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -36,6 +37,7 @@ import torch
 from common import format_table, llama3_8b_config, median, random_model, random_tokens, rotated, save_figure, \
     set_threads, write_json
 from spanserve.cache.storage import bytes_per_block
+from spanserve.distributed import RandomWeights
 from spanserve.engine.layout import Segment
 from spanserve.engine.sampling import SamplingParams
 from spanserve.llm import LLM
@@ -59,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU; 0 = torch's default")
     ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="0 = enough for the largest prompt")
     ap.add_argument("--kv-gib", type=float, default=0.0, help="KV pool size; 0 = the pinned docs + one whole request")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPU: one process per GPU)")
     ap.add_argument("--quick", action="store_true", help="smoke run: L=128, N in 1 2 4, 2 runs")
     ap.add_argument("--out", default=None, help="file name under benchmarks/results/")
     args = ap.parse_args(argv)
@@ -68,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.doc_len = args.doc_len or (2857 if args.gpu else 512)
     args.discard = (1 if args.gpu else 0) if args.discard is None else args.discard
     if args.out is None:
-        args.out = "rag_ttft" + ("_gpu" if args.gpu else "") + ("_quick" if args.quick else "") + ".json"
+        args.out = ("rag_ttft" + ("_gpu" if args.gpu else "") + (f"_tp{args.tp}" if args.tp > 1 else "")
+                    + ("_quick" if args.quick else "") + ".json")
     return args
 
 
@@ -83,7 +87,7 @@ def attention_backend() -> Any:
     return TritonBackend()
 
 
-def build_llm(model: LoadedModel, args: argparse.Namespace, device: str, dtype: torch.dtype) -> LLM:
+def build_llm(model: "LoadedModel | RandomWeights", args: argparse.Namespace, device: str, dtype: torch.dtype) -> LLM:
     longest = max(args.ns) * args.doc_len + args.question_len
     config = model.config
     if longest >= config.max_position_embeddings:
@@ -105,7 +109,9 @@ def build_llm(model: LoadedModel, args: argparse.Namespace, device: str, dtype: 
     if device == "cuda":
         extra["backend"] = attention_backend()
     dtype_name = str(dtype).removeprefix("torch.")
-    return LLM(model, device=device, dtype=dtype_name, block_size=BLOCK_SIZE, kv_cache_memory=kv,
+    if args.tp > 1:  # each rank holds 1/tp of every block
+        extra["tensor_parallel_size"] = args.tp
+    return LLM(model, device=device, dtype=dtype_name, block_size=BLOCK_SIZE, kv_cache_memory=kv // args.tp,
                max_num_batched_tokens=mbt, max_num_seqs=4, pin_fraction=pin_fraction, **extra)
 
 
@@ -196,10 +202,14 @@ def plot(ns: list[int], med: dict[str, list[float]], title: str, name: str) -> s
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (workers inherit it)
     if args.gpu:
         device, dtype = "cuda", torch.bfloat16
-        llm = build_llm(random_model(llama3_8b_config(), device, dtype, args.seed), args, device, dtype)
-        model_name = "random Llama-3-8B bf16 CUDA"
+        # Under TP every rank creates its own shard on its GPU (the same function as TP=1's model).
+        weights = (RandomWeights(llama3_8b_config(), args.seed) if args.tp > 1
+                   else random_model(llama3_8b_config(), device, dtype, args.seed))
+        llm = build_llm(weights, args, device, dtype)
+        model_name = "random Llama-3-8B bf16 CUDA" + (f", tensor parallel {args.tp}" if args.tp > 1 else "")
     else:
         set_threads(args.threads)
         device, dtype = "cpu", torch.float32

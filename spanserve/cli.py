@@ -13,6 +13,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=_size, default=None,
                    help="bytes for the KV pool, e.g. 1073741824, 512MiB or 2GB (default: 1 GiB on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over this many processes (GPUs 0..N-1 on cuda, gloo on cpu)")
 
 
 def _size(text: str) -> int:
@@ -31,14 +33,16 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
         device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, default_policy=args.default_policy,
-        max_queued_requests=args.max_queued_requests, log_level=args.log_level))
+        max_queued_requests=args.max_queued_requests, log_level=args.log_level,
+        tensor_parallel_size=args.tensor_parallel_size))
 
 
 def _generate(args: argparse.Namespace) -> int:
     from spanserve import LLM, SamplingParams
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-              kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs)
+              kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+              tensor_parallel_size=args.tensor_parallel_size)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]

@@ -17,6 +17,16 @@ class LLM:
                  **engine_args: Any):
         self.engine = LLMEngine(model=model, device=device, dtype=dtype, block_size=block_size, **engine_args)
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes (also done at interpreter exit)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer

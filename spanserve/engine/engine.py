@@ -13,6 +13,7 @@ from spanserve.attention.reference import ReferenceBackend
 from spanserve.cache.block_pool import BlockPool
 from spanserve.cache.manager import CacheManager
 from spanserve.cache.storage import KVStorage, bytes_per_block
+from spanserve.distributed.weights import RandomWeights
 from spanserve.engine.layout import Segment, checked_many, checked_tokens, resolve
 from spanserve.engine.detokenize import IncrementalText
 from spanserve.engine.outputs import RequestOutput, find_stop
@@ -52,6 +53,9 @@ class LLMEngine:
         pin_fraction: float = 0.5,
         reposition: str = "deferred",
         cuda_graphs: "bool | str" = "auto",
+        tensor_parallel_size: int = 1,
+        tp_on_failure: str = "raise",
+        tp_float32_reduce: bool = False,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -64,12 +68,25 @@ class LLMEngine:
         self.pinned: dict[tuple[str, str], list] = {}  # (namespace, key) -> blocks held for the pin
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
-        loaded = model if isinstance(model, LoadedModel) else load_model(model, self.dtype, self.device)
-        self.config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device)
-        del loaded
-        per_block = bytes_per_block(self.config, block_size, self.dtype)
+        # tensor_parallel_size > 1: worker processes hold the other shards (spanserve.distributed);
+        # tp_on_failure: "raise" WorkerDied when one dies, or "exit" the process (a server);
+        # tp_float32_reduce: row-parallel partial sums in float32 (bf16 TP tracks TP=1 closely)
+        self.tp = None
+        if tensor_parallel_size > 1:
+            from spanserve.distributed.driver import TPDriver
+
+            self.tp = TPDriver(model, tensor_parallel_size, self.device, self.dtype, tp_on_failure, tp_float32_reduce)
+            self.config, self.tokenizer, self.model = self.tp.config, self.tp.tokenizer, self.tp.model
+        else:
+            if isinstance(model, RandomWeights):
+                loaded = model.whole(self.dtype, self.device)
+            else:
+                loaded = model if isinstance(model, LoadedModel) else load_model(model, self.dtype, self.device)
+            self.config = loaded.config
+            self.tokenizer = loaded.tokenizer
+            self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device)
+            del loaded
+        per_block = bytes_per_block(self.model.config, block_size, self.dtype)  # this rank's heads
         if num_blocks is None:
             budget = kv_cache_memory if kv_cache_memory is not None else self._default_kv_memory()
             num_blocks = int(budget // per_block)
@@ -77,12 +94,19 @@ class LLMEngine:
             raise ValueError(f"KV pool of {num_blocks} blocks is too small; raise kv_cache_memory or num_blocks")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
-        self.storage = KVStorage(self.config, num_blocks, block_size, self.dtype, self.device)
+        backend = backend or ReferenceBackend()
+        if self.tp is not None:
+            self.storage = self.tp.storage(num_blocks, block_size, backend, cuda_graphs)
+        else:
+            self.storage = KVStorage(self.config, num_blocks, block_size, self.dtype, self.device)
         self.manager = CacheManager(self.pool, self.storage, block_size, reposition, self.model.rotary)
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
         # cuda_graphs: decode steps replay CUDA graphs on a GPU with the Triton backend ("auto");
         # False runs every step eagerly (vLLM's enforce_eager)
-        self.runner = ModelRunner(self.model, self.storage, backend or ReferenceBackend(), cuda_graphs)
+        if self.tp is not None:
+            self.runner: ModelRunner = self.tp.runner(self.storage, backend, cuda_graphs)
+        else:
+            self.runner = ModelRunner(self.model, self.storage, backend, cuda_graphs)
         self.sampler = Sampler()
         limit = min(self.config.max_position_embeddings, num_blocks * block_size)
         self.max_model_len = min(max_model_len or limit, limit)
@@ -91,7 +115,14 @@ class LLMEngine:
         self.counters = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0, "preemptions": 0,
                          "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (a single-process engine has nothing to stop)."""
+        if self.tp is not None:
+            self.tp.close()
+
     def _default_kv_memory(self) -> int:
+        if self.tp is not None and self.device.type == "cuda":
+            return int(self.tp.min_free * 0.8)  # the tightest rank's free memory
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * 0.8)

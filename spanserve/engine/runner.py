@@ -1,6 +1,8 @@
 """Model runner: turns a step's chunks into one flat batch and one attention plan."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -13,7 +15,7 @@ from spanserve.cache.storage import KVStorage
 from spanserve.engine.cuda_graphs import DecodeGraphs, StepGraphs
 from spanserve.engine.scheduler import Chunk
 from spanserve.model.llama import LlamaModel
-from spanserve.reuse.recompute import Recompute, RecomputeRow
+from spanserve.reuse.recompute import Recompute, RecomputeRow, RecomputeSpec
 
 
 def host_plan(chunks: list[Chunk]) -> tuple[HostPlan, list[int]]:
@@ -85,6 +87,18 @@ def decode_rows(chunks: list[Chunk]) -> tuple[DecodeRows, list[int]] | None:
     return DecodeRows(ids, pos, slots, deltas), sample_at
 
 
+@dataclass
+class StepInput:
+    """One step as host data: a decode-only step's rows (for the decode graphs) or the general
+    plan, the selective rows (chunk index, spec, per-token reused flags), and sample_at."""
+
+    sample_at: list[int]
+    decode: DecodeRows | None = None
+    host: HostPlan | None = None
+    recompute: list[tuple[int, RecomputeSpec, list[bool]]] = field(default_factory=list)
+    graph: bool = False  # the general plan replays a step graph (attention.paths.step_path)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, storage: KVStorage, backend: AttentionBackend,
                  graphs: "bool | str" = "auto"):
@@ -104,18 +118,15 @@ class ModelRunner:
             self.step_graphs = StepGraphs(model, backend, self.k_caches, self.v_caches, self.graphs.pool,
                                           capture=graphs != "eager")
 
-    def _recompute_rows(self, chunks: list[Chunk], plan: AttentionPlan) -> list[RecomputeRow]:
+    def _recompute_rows(self, step: "StepInput", plan: AttentionPlan) -> list[RecomputeRow]:
         out = []
-        for c, row in zip(chunks, plan.rows):
-            spec = c.recompute
-            if spec is None:
-                continue
-            reused = set(spec.reused)
+        for r, spec, reused in step.recompute:
+            row = plan.rows[r]
             dev = row.q_pos.device
             out.append(RecomputeRow(
                 spec=spec,
                 flat=torch.arange(row.q_start, row.q_end, device=dev),
-                is_reused=torch.tensor([p in reused for p in c.positions], dtype=torch.bool, device=dev),
+                is_reused=torch.tensor(reused, dtype=torch.bool, device=dev),
                 key_slots=row.key_slots, key_delta=row.key_delta, q_pos=row.q_pos,
                 decision_layer=spec.policy.decision_layer(self.model.config.num_layers),
             ))
@@ -129,27 +140,50 @@ class ModelRunner:
                           any(c.recompute is not None for c in chunks))
         return step_path(shape, limits)
 
-    @torch.inference_mode()
-    def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
-        """Logits [n_sampled, vocab] (float32) and, per chunk, its row in them or -1."""
+    def prepare(self, chunks: list[Chunk]) -> "StepInput":
+        """The step as host data only: what `execute` runs (on this process or, under tensor
+        parallelism, on every rank)."""
         # Decode-only steps skip the general plan: their fixed buffers are filled from host
         # arrays in one copy (on a GPU the host work is what the step waits for).
         dec = decode_rows(chunks) if self.graphs is not None else None
         path = self._path(chunks, dec is not None)
         if path is StepPath.DECODE_GRAPH:
-            return self._logits(self.graphs.run(dec[0]), dec[1])
+            return StepInput(dec[1], decode=dec[0])
         hp, sample_at = host_plan(chunks)
-        if path is StepPath.STEP_GRAPH:
-            return self._logits(self.step_graphs.run(hp), sample_at)
-        ids, plan = device_plan(hp, self.model.device)
-        rows = self._recompute_rows(chunks, plan)
-        hooks = Recompute(rows, ids.numel(), self.model.rotary, self.storage.block_size) if rows else None
-        hidden = self.model.forward(ids, plan, self.backend, self.k_caches, self.v_caches, hooks)
-        for c, r in zip([c for c in chunks if c.recompute is not None], rows):
-            c.request.recompute_stats = r.stats
-        return self._logits(hidden, sample_at)
+        recompute = []
+        for r, c in enumerate(chunks):
+            if c.recompute is not None:
+                reused = set(c.recompute.reused)
+                recompute.append((r, c.recompute, [p in reused for p in c.positions]))
+        return StepInput(sample_at, host=hp, recompute=recompute, graph=path is StepPath.STEP_GRAPH)
 
-    def _logits(self, hidden: torch.Tensor, sample_at: list[int]) -> tuple[torch.Tensor, list[int]]:
+    @torch.inference_mode()
+    def execute(self, step: "StepInput") -> tuple[torch.Tensor, list[RecomputeRow]]:
+        """Hidden states of the step's tokens, and its selective rows (with their stats)."""
+        if step.decode is not None:
+            assert self.graphs is not None
+            return self.graphs.run(step.decode), []
+        hp = step.host
+        assert hp is not None
+        if step.graph:
+            assert self.step_graphs is not None
+            return self.step_graphs.run(hp), []
+        ids, plan = device_plan(hp, self.model.device)
+        rows = self._recompute_rows(step, plan)
+        hooks = Recompute(rows, ids.numel(), self.model.rotary, self.storage.block_size,
+                          reduce=self.model.all_reduce) if rows else None
+        return self.model.forward(ids, plan, self.backend, self.k_caches, self.v_caches, hooks), rows
+
+    @torch.inference_mode()
+    def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
+        """Logits [n_sampled, vocab] (float32) and, per chunk, its row in them or -1."""
+        step = self.prepare(chunks)
+        hidden, rows = self.execute(step)
+        for (i, _, _), r in zip(step.recompute, rows):
+            chunks[i].request.recompute_stats = r.stats
+        return self.logits(hidden, step.sample_at)
+
+    def logits(self, hidden: torch.Tensor, sample_at: list[int]) -> tuple[torch.Tensor, list[int]]:
         picks = [i for i in sample_at if i >= 0]
         if not picks or picks[-1] - picks[0] == len(picks) - 1:  # consecutive (every decode row): a view
             hidden = hidden[picks[0]:picks[-1] + 1] if picks else hidden[:0]

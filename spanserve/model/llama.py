@@ -73,10 +73,25 @@ def _ops(fused: bool | None, device: torch.device) -> object:
     return ops
 
 
+class Collectives(Protocol):
+    """What a tensor-parallel shard of the model needs from its process group."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def row_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor: ...
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 fused: bool | None = None):
+                 fused: bool | None = None, group: Collectives | None = None, vocab_size: int | None = None):
+        """`group`: this model is one rank's shard (`config` has its share of the heads and MLP
+        columns; o and down outputs are summed over ranks, the LM head's vocabulary gathered);
+        `vocab_size`: the whole model's, when the LM head holds a padded share of it."""
         self.config = config
+        self.group = group
+        self.vocab_size = vocab_size or config.vocab_size
         self.dtype = dtype
         self.device = torch.device(device)
         self.ops = _ops(fused, self.device)
@@ -164,13 +179,23 @@ class LlamaModel:
             if hooks is not None:
                 hooks.after_write(i, q, k, v, idx, k_caches[i], v_caches[i])
             attn = backend.attend(prepared, q, k_caches[i], v_caches[i])
-            x, hx = ops.add_rms_norm(F.linear(attn, L.o), hx, L.post_norm, c.rms_norm_eps)
-            hx = hx + F.linear(ops.silu_mul(F.linear(x, L.gate_up)), L.down)
+            x, hx = ops.add_rms_norm(self.row_linear(attn, L.o), hx, L.post_norm, c.rms_norm_eps)
+            hx = hx + self.row_linear(ops.silu_mul(F.linear(x, L.gate_up)), L.down)
             if idx is None:
                 h = hx
             else:
                 h[idx] = hx
         return ops.rms_norm(h, self.norm, c.rms_norm_eps)
 
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.group is None else self.group.all_reduce(x)
+
+    def row_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T; on a shard, the partial products summed over ranks (o and down)."""
+        return F.linear(x, weight) if self.group is None else self.group.row_linear(x, weight)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        out = F.linear(hidden, self.lm_head)
+        if self.group is not None:
+            out = self.group.gather_vocab(out, self.vocab_size)
+        return out.float()

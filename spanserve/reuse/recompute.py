@@ -3,6 +3,7 @@ at its layer, and the fill of skipped tokens' private slots from the shared cach
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -40,8 +41,12 @@ class RecomputeRow:
 class Recompute:
     """LayerHooks for the selective rows of one step."""
 
-    def __init__(self, rows: list[RecomputeRow], num_tokens: int, rotary: Rotary, block_size: int):
+    def __init__(self, rows: list[RecomputeRow], num_tokens: int, rotary: Rotary, block_size: int,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """`reduce`: sums per-token scores over the ranks of a tensor-parallel model (each
+        rank scores with its own heads); every rank then makes the same decision."""
         self.rows = rows
+        self.reduce = reduce or (lambda x: x)
         self.T = num_tokens
         self.rotary = rotary
         self.block_size = block_size
@@ -104,10 +109,10 @@ class Recompute:
             k_old, v_old = self._cached(i, all_reused, k_cache, v_cache)
             dk = (k[r.is_reused].float() - k_old.float()).pow(2).sum((1, 2))
             dv = (v[r.is_reused].float() - v_old.float()).pow(2).sum((1, 2))
-            return pol.select(dk + dv)
+            return pol.select(self.reduce(dk + dv))
         if isinstance(pol, SparseQ):
-            scores = attention_mass(q[~r.is_reused], r.q_pos[~r.is_reused], k_cache, r.key_slots,
-                                    r.key_delta, self.rotary)
+            scores = self.reduce(attention_mass(q[~r.is_reused], r.q_pos[~r.is_reused], k_cache, r.key_slots,
+                                                r.key_delta, self.rotary))
             reused_mask = torch.zeros(r.key_slots.numel(), dtype=torch.bool, device=q.device)
             reused_mask[r.q_pos[r.is_reused]] = True
             kept_pos = pol.select(scores, reused_mask, self.block_size)

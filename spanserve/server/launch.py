@@ -43,6 +43,7 @@ class ServeOptions:
     # Requests that may wait beyond the running batch before new ones get 429.
     max_queued_requests: int = 1024
     log_level: str = "info"
+    tensor_parallel_size: int = 1
 
 
 def serve(opts: ServeOptions) -> int:
@@ -62,12 +63,13 @@ def serve(opts: ServeOptions) -> int:
     t0 = time.monotonic()
     engine = LLMEngine(model=opts.model, device=opts.device, dtype=opts.dtype, block_size=opts.block_size,
                        kv_cache_memory=opts.kv_cache_memory, max_num_seqs=opts.max_num_seqs,
-                       max_model_len=opts.max_model_len, default_policy=opts.default_policy)
+                       max_model_len=opts.max_model_len, default_policy=opts.default_policy,
+                       tensor_parallel_size=opts.tensor_parallel_size, tp_on_failure="exit")
     c = engine.config
     log.info("model loaded in %.1f s: %s, %d layers, hidden %d, vocab %d", time.monotonic() - t0,
              c.arch, c.num_layers, c.hidden_size, c.vocab_size)
     blocks = engine.pool.num_blocks
-    mib = blocks * bytes_per_block(c, engine.block_size, engine.dtype) / 2**20
+    mib = blocks * bytes_per_block(engine.model.config, engine.block_size, engine.dtype) / 2**20  # per rank
     log.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB); max model len %d; default policy %s",
              blocks, engine.block_size, blocks * engine.block_size, mib, engine.max_model_len, opts.default_policy)
     app = create_app(engine, config)

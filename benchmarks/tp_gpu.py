@@ -1,0 +1,262 @@
+"""Tensor parallelism on two GPUs, TP=2 against TP=1 in one run (random bf16 weights, Triton).
+
+Default (Llama-3-8B shape):
+1. greedy tokens of TP=2 against TP=1 on span layouts (cold, then warm with the documents at new
+   positions), for --greedy-tokens tokens, with the row-parallel sums in bf16 and in float32;
+2. prefill of --prefill plain tokens, and decode at batch 1 and batch 64: TP=1 and TP=2 side by
+   side (the engines one after the other in this process).
+
+--model-shape 70b (Llama-3-70B shape, ~141 GB: only TP=2 holds it; each rank creates its own
+shard on its GPU, the whole model never exists): a RAG layout of --docs documents of --doc-len
+tokens, pinned, then read warm at new positions with a new question: its TTFT next to the stock
+prefill of the same tokens as one plain prompt.
+
+    NCCL_NVLS_ENABLE=0 python benchmarks/tp_gpu.py
+    NCCL_NVLS_ENABLE=0 python benchmarks/tp_gpu.py --model-shape 70b
+    python benchmarks/tp_gpu.py --dry          # CPU, gloo, tiny shape: checks the script
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (inherited by workers)
+
+import torch  # noqa: E402
+
+from common import format_table, llama3_8b_config, median, random_tokens, write_json  # noqa: E402
+
+from spanserve.distributed import RandomWeights  # noqa: E402
+from spanserve.engine.engine import LLMEngine  # noqa: E402
+from spanserve.engine.layout import Segment  # noqa: E402
+from spanserve.engine.sampling import SamplingParams  # noqa: E402
+from spanserve.model.config import ModelConfig  # noqa: E402
+
+
+def llama3_70b_config() -> ModelConfig:
+    return dataclasses.replace(llama3_8b_config(), hidden_size=8192, intermediate_size=28672, num_layers=80,
+                               num_heads=64, num_kv_heads=8, name="random-llama3-70b")
+
+
+def tiny_config() -> ModelConfig:
+    return dataclasses.replace(llama3_8b_config(), vocab_size=1024, hidden_size=128, intermediate_size=256,
+                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, name="tiny")
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.dev = "cpu" if args.dry else "cuda"
+        self.dtype = "float32" if args.dry else "bfloat16"
+
+    def sync(self) -> None:
+        if self.dev == "cuda":
+            torch.cuda.synchronize()
+
+    def backend(self) -> Any:
+        if self.dev != "cuda":
+            return None  # the reference backend (Triton's CPU interpreter is too slow for a dry run)
+        from spanserve.attention.triton import TritonBackend
+        return TritonBackend()
+
+    def engine(self, config: ModelConfig, tp: int, float32_reduce: bool = False, **kw: Any) -> LLMEngine:
+        t0 = time.perf_counter()
+        eng = LLMEngine(RandomWeights(config, seed=self.args.seed), device=self.dev, dtype=self.dtype,
+                        backend=self.backend(), tensor_parallel_size=tp, tp_float32_reduce=float32_reduce,
+                        cuda_graphs=not self.args.no_graphs and "auto", **kw)
+        print(f"TP={tp}{' f32-reduce' if float32_reduce else ''}: engine up in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+        return eng
+
+    def close(self, eng: LLMEngine) -> None:
+        eng.shutdown()
+        del eng
+        gc.collect()
+        if self.dev == "cuda":
+            torch.cuda.empty_cache()
+
+    def synced_step(self, eng: LLMEngine) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        eng.step()
+        self.sync()
+        return time.perf_counter() - t0
+
+    def drain(self, eng: LLMEngine) -> None:
+        while eng.has_unfinished():
+            eng.step()
+
+    # ---- measurements ------------------------------------------------------------------------
+    def greedy(self, eng: LLMEngine, vocab: int) -> list[list[int]]:
+        """Greedy tokens of span layouts: cold, then the same documents at other positions."""
+        gen = torch.Generator().manual_seed(7)
+        t = lambda n: random_tokens(gen, n, vocab)  # noqa: E731
+        docs = [t(n) for n in (300, 211, 157)]
+        sys_, qs = t(23), [t(17) for _ in range(3)]
+        lays = [[Segment(token_ids=sys_)] + [Segment(token_ids=docs[i], kind="plus") for i in order]
+                + [Segment(token_ids=q)] for order, q in zip(([0, 1, 2], [2, 0, 1], [1, 2]), qs)]
+        params = SamplingParams(max_tokens=self.args.greedy_tokens, temperature=0, ignore_eos=True)
+        out = []
+        for lay in lays:  # one at a time: the later ones read the first one's cached documents
+            req = eng.add_request(lay, params)
+            self.drain(eng)
+            out.append(list(req.output_token_ids))
+        return out
+
+    def prefill(self, eng: LLMEngine, vocab: int) -> float:
+        gen = torch.Generator().manual_seed(2)
+        times = []
+        for _ in range(3):
+            eng.add_request(random_tokens(gen, self.args.prefill, vocab), SamplingParams(max_tokens=1))
+            times.append(self.synced_step(eng))
+            self.drain(eng)
+        return median(times[1:])
+
+    def decode(self, eng: LLMEngine, vocab: int, batch: int) -> float:
+        """Seconds per decode step of `batch` requests of --context-token prompts (steady state)."""
+        gen = torch.Generator().manual_seed(3 + batch)
+        steps = self.args.decode_steps
+        for _ in range(batch):
+            eng.add_request(random_tokens(gen, self.args.context, vocab),
+                            SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0))
+        while any(len(r.output_token_ids) < 4 for r in eng.requests.values()) or eng.scheduler.waiting:
+            eng.step()
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        self.sync()
+        dt = (time.perf_counter() - t0) / steps
+        self.drain(eng)
+        return dt
+
+    def timings(self, eng: LLMEngine, vocab: int) -> dict[str, float]:
+        res = {"prefill_s": self.prefill(eng, vocab)}
+        for b in self.args.batches:
+            res[f"decode_b{b}_s"] = median([self.decode(eng, vocab, b) for _ in range(3 if b == 1 else 1)])
+        return res
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def shape_8b(run: Run) -> None:
+    args = run.args
+    cfg = tiny_config() if args.dry else llama3_8b_config()
+    blocks = (args.prefill + max(args.batches) * (args.context + args.decode_steps + 16)) // 16 + 512
+    kw = dict(num_blocks=blocks, max_num_batched_tokens=args.prefill + 16, max_num_seqs=max(args.batches))
+    variants = [("TP=1", 1, False), ("TP=2", 2, False), ("TP=2 f32-reduce", 2, True)]
+    tokens: dict[str, list[list[int]]] = {}
+    res: dict[str, dict[str, float]] = {}
+    for name, tp, f32 in variants:
+        eng = run.engine(cfg, tp, f32, **kw)
+        tokens[name] = run.greedy(eng, cfg.vocab_size)
+        res[name] = {} if args.skip_timing else run.timings(eng, cfg.vocab_size)
+        run.close(eng)
+    rows = []
+    for name, _, _ in variants[1:]:
+        same = [first_difference(a, b) for a, b in zip(tokens[name], tokens["TP=1"])]
+        rows.append((f"greedy tokens equal to TP=1, {name} (3 layouts, cold then warm)",
+                     " / ".join(f"{n}" for n in same) + f" of {args.greedy_tokens}",
+                     all(n == args.greedy_tokens for n in same)))
+    print(format_table(["check", "tokens equal", "all"], rows))
+    table = []
+    if not args.skip_timing:
+        base = res["TP=1"]
+        metrics = [("prefill_s", f"prefill {args.prefill} tokens, tokens/s", lambda s: args.prefill / s)]
+        metrics += [(f"decode_b{b}_s", f"decode batch {b} at {args.context} tokens, ms/step", lambda s: s * 1e3)
+                    for b in args.batches]
+        for key, label, fmt in metrics:
+            row = [label] + [f"{fmt(res[n][key]):.2f}" for n, _, _ in variants]
+            row += [f"{res[n][key] / base[key]:.3f}x time" for n, _, _ in variants[1:]]
+            table.append(row)
+        print(format_table(["", *[n for n, _, _ in variants], "TP=2 / TP=1", "TP=2 f32 / TP=1"], table))
+    write_json("tp_gpu_dry.json" if args.dry else "tp_gpu.json", {
+        "benchmark": "tp_gpu", "shape": cfg.name, "args": vars(args), "timings_s": res, "greedy_tokens": tokens,
+        "checks": [list(map(str, r)) for r in rows], "table": table,
+        "device": torch.cuda.get_device_name(0) if run.dev == "cuda" else "cpu"})
+
+
+def shape_70b(run: Run) -> None:
+    """Warm RAG TTFT next to the stock prefill of the same tokens, TP=2 only."""
+    args = run.args
+    cfg = tiny_config() if args.dry else llama3_70b_config()
+    n, L, qlen = args.docs, args.doc_len, 64
+    total = n * L + qlen
+    blocks = 2 * (total // 16 + n + 8) + 64  # the pinned documents + one whole stock request
+    eng = run.engine(cfg, 2, args.float32_reduce, num_blocks=blocks, max_num_batched_tokens=args.chunk,
+                     max_num_seqs=4, pin_fraction=0.5)
+    gen = torch.Generator().manual_seed(11)
+    docs = [random_tokens(gen, L, cfg.vocab_size) for _ in range(n)]
+    t0 = time.perf_counter()
+    pin = eng.pin([Segment(token_ids=d, kind="plus", key=f"doc-{i}") for i, d in enumerate(docs)])
+    run.drain(eng)
+    pin_s = time.perf_counter() - t0
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    ttft: dict[str, list[float]] = {"stock": [], "warm": []}
+    for r in range(args.runs + 1):  # run 0 is a warm-up (kernels compile per shape)
+        q = random_tokens(gen, qlen, cfg.vocab_size)
+        order = torch.randperm(n, generator=gen).tolist()
+        prompts = {"stock": [t for i in order for t in docs[i]] + q,
+                   "warm": [Segment(token_ids=docs[i], kind="plus") for i in order] + [Segment(token_ids=q)]}
+        for v, p in prompts.items():
+            req = eng.add_request(p, one, namespace="" if v == "warm" else f"stock-{r}")
+            run.drain(eng)
+            if v == "warm":
+                assert req.reuse["segment"] >= n * L - n * 16, req.reuse
+            if r:
+                ttft[v].append(req.first_token_time - req.arrival_time)
+        print(f"run {r}: " + "  ".join(f"{v} {ttft[v][-1] * 1e3:.1f} ms" for v in ttft if r), flush=True)
+    med = {v: median(x) for v, x in ttft.items()}
+    rows = [(f"{cfg.name} TP=2, {n} docs x {L} tokens + {qlen}-token question ({total} tokens)",
+             f"{med['stock'] * 1e3:.1f}", f"{med['warm'] * 1e3:.1f}", f"{med['stock'] / med['warm']:.1f}x",
+             f"{pin_s:.1f}")]
+    print(format_table(["", "stock TTFT ms", "warm TTFT ms", "stock/warm", "pinning s"], rows))
+    del pin
+    run.close(eng)
+    write_json("tp_gpu_70b_dry.json" if args.dry else "tp_gpu_70b.json", {
+        "benchmark": "tp_gpu_70b", "shape": cfg.name, "args": vars(args), "ttft_s": ttft, "median_ttft_s": med,
+        "pin_s": pin_s, "table": [list(map(str, r)) for r in rows]})
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-shape", choices=["8b", "70b"], default="8b")
+    ap.add_argument("--prefill", type=int, default=16384)
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens of each decoding request")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--greedy-tokens", type=int, default=40)
+    ap.add_argument("--docs", type=int, default=32)
+    ap.add_argument("--doc-len", type=int, default=2857)
+    ap.add_argument("--chunk", type=int, default=16384, help="max_num_batched_tokens of the 70B engine")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--float32-reduce", action="store_true", help="70B: row-parallel sums in float32")
+    ap.add_argument("--no-graphs", action="store_true", help="every step eager (no CUDA graphs)")
+    ap.add_argument("--skip-timing", action="store_true", help="8B: greedy checks only")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dry", action="store_true", help="CPU, gloo, tiny shape and sizes: checks the script")
+    args = ap.parse_args(argv)
+    if args.dry:
+        args.prefill, args.context, args.batches, args.decode_steps = 128, 32, [1, 4], 4
+        args.greedy_tokens, args.docs, args.doc_len, args.chunk, args.runs = 8, 4, 40, 64, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    run = Run(args)
+    if args.model_shape == "70b":
+        shape_70b(run)
+    else:
+        shape_8b(run)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

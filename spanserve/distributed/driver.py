@@ -1,0 +1,186 @@
+"""The driver side of a tensor-parallel engine (rank 0). It keeps everything that decides (the
+scheduler, cache manager, keys, span logic, sampling) and runs rank 0's shard of the model, as the
+other ranks do theirs: N GPUs serve TP=N, none sits idle holding only the driver.
+
+Worker death is watched by a thread that polls the worker processes: a step in progress fails
+with WorkerDied (on gloo the collective itself errors once the peer's connection closes); if the
+driver is stuck in a collective that cannot fail (NCCL waits on the GPU), or the engine was built
+to exit on failure (a server), the process exits non-zero after a clear log line."""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.multiprocessing as mp
+
+from spanserve.distributed.group import TPGroup, free_port
+from spanserve.distributed.shard import check_divisible
+from spanserve.distributed.step import StepMessage, pack
+from spanserve.distributed.storage_log import RecordingStorage
+from spanserve.distributed.weights import source_of
+from spanserve.distributed.worker import EngineInit, WorkerArgs, free_memory, load_shard, worker_main
+from spanserve.engine.runner import ModelRunner
+
+log = logging.getLogger("spanserve.tp")
+POLL_S = 0.2
+STUCK_S = 10.0  # a collective still running this long after a worker died will never finish
+
+
+class WorkerDied(RuntimeError):
+    """A tensor-parallel worker process is gone; the engine cannot run another step."""
+
+
+def check_devices(world: int, device: torch.device) -> None:
+    if world < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {world}")
+    if device.type == "cuda":
+        n = torch.cuda.device_count()
+        if world > n:
+            raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs but {n} are visible")
+        if device.index not in (None, 0):
+            raise ValueError("tensor parallelism uses GPUs 0..N-1 (rank r on cuda:r); pass device='cuda' "
+                             "and choose GPUs with CUDA_VISIBLE_DEVICES")
+    elif device.type != "cpu":
+        raise ValueError(f"tensor parallelism runs on cuda (NCCL) or cpu (gloo), not {device.type}")
+
+
+class TPDriver:
+    def __init__(self, model: Any, world: int, device: torch.device, dtype: torch.dtype, on_failure: str = "raise",
+                 float32_reduce: bool = False):
+        if on_failure not in ("raise", "exit"):
+            raise ValueError(f"on_failure must be 'raise' or 'exit', got {on_failure!r}")
+        check_devices(world, device)
+        source = source_of(model)
+        self.config, self.tokenizer = source.describe()
+        check_divisible(self.config, world)
+        self.on_failure = on_failure
+        self.dead: str | None = None
+        self._closing = False
+        self._busy = 0.0  # monotonic start of the collective in progress, 0 when none
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        wsource = source.for_workers()
+        self.procs = [ctx.Process(target=worker_main, name=f"spanserve-tp{r}", daemon=True,
+                                  args=(WorkerArgs(r, world, port, device.type, dtype, self.config, wsource, float32_reduce),))
+                      for r in range(1, world)]
+        for p in self.procs:
+            p.start()
+        self._monitor = threading.Thread(target=self._watch, name="spanserve-tp-monitor", daemon=True)
+        self._monitor.start()
+        atexit.register(self.close)
+        with self.collective():
+            self.group = TPGroup.join(0, world, port, device.type, float32_reduce)
+            self.model = load_shard(self.group, self.config, source, dtype)
+            self.min_free = self.group.min_over_ranks(free_memory(self.group.device))
+        log.info("tensor parallel: %d ranks on %s, %d of %d heads and %d of %d KV heads per rank", world,
+                 device.type, self.model.config.num_heads, self.config.num_heads, self.model.config.num_kv_heads,
+                 self.config.num_kv_heads)
+
+    # ---- engine parts ----------------------------------------------------------------------
+    def storage(self, num_blocks: int, block_size: int, backend: Any, cuda_graphs: Any) -> RecordingStorage:
+        """This rank's KV storage; the workers make theirs (same blocks, their heads)."""
+        with self.collective():
+            self.group.send(EngineInit(num_blocks, block_size, backend, cuda_graphs))
+        return RecordingStorage(self.model.config, num_blocks, block_size, self.model.dtype, self.model.device)
+
+    def runner(self, storage: RecordingStorage, backend: Any, cuda_graphs: Any) -> "TPRunner":
+        return TPRunner(self.model, storage, backend, cuda_graphs, driver=self)
+
+    # ---- failure ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """Marks work that waits on the workers: a death during it is a failure of this call."""
+        self._raise_if_dead()
+        self._busy = time.monotonic()
+        try:
+            yield
+        except Exception as e:
+            if self._wait_for_death(2.0):
+                raise WorkerDied(self.dead) from e
+            raise
+        finally:
+            self._busy = 0.0
+        self._raise_if_dead()
+
+    def _raise_if_dead(self) -> None:
+        if self.dead is not None:
+            raise WorkerDied(self.dead)
+
+    def _wait_for_death(self, seconds: float) -> bool:
+        end = time.monotonic() + seconds
+        while self.dead is None and time.monotonic() < end:
+            time.sleep(POLL_S / 2)
+        return self.dead is not None
+
+    def _watch(self) -> None:
+        while not self._closing:
+            for p in self.procs:
+                if p.exitcode is not None and not self._closing:
+                    self._died(p)
+                    return
+            time.sleep(POLL_S)
+
+    def _died(self, p: Any) -> None:
+        rank = self.procs.index(p) + 1
+        self.dead = (f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}; "
+                     "the engine cannot continue")
+        log.error("%s", self.dead)
+        for q in self.procs:  # the rest cannot finish a collective without it
+            if q.exitcode is None:
+                q.terminate()
+        deadline = time.monotonic() + STUCK_S
+        while self._busy and time.monotonic() < deadline:
+            time.sleep(POLL_S)  # the step in progress fails over to its callers
+        if self.on_failure == "raise" and not self._busy:
+            return  # idle, or the step raised: every later call raises WorkerDied
+        log.error("tensor parallel: %s; exiting", "the driver is stuck in a collective" if self._busy
+                  else "serving cannot continue")
+        logging.shutdown()
+        os._exit(1)
+
+    def close(self) -> None:
+        """Stop the workers (idempotent; also runs at interpreter exit)."""
+        if self._closing:
+            return
+        self._closing = True
+        if self.dead is None and hasattr(self, "group"):
+            with contextlib.suppress(Exception):
+                self.group.send(StepMessage([], None))
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.exitcode is None:
+                p.terminate()
+                p.join(timeout=5)
+        if hasattr(self, "group"):
+            with contextlib.suppress(Exception):
+                self.group.leave()
+        atexit.unregister(self.close)
+
+
+class TPRunner(ModelRunner):
+    """ModelRunner on rank 0: each step's host data goes to the workers once, then every rank
+    runs the same step on its shard."""
+
+    def __init__(self, *args: Any, driver: TPDriver, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.driver = driver
+
+    @torch.inference_mode()
+    def run(self, chunks: list[Any]) -> tuple[torch.Tensor, list[int]]:
+        step = self.prepare(chunks)
+        assert isinstance(self.storage, RecordingStorage)
+        with self.driver.collective():
+            self.driver.group.send(StepMessage(self.storage.drain(), pack(step)))
+            hidden, rows = self.execute(step)
+            logits, picks = self.logits(hidden, step.sample_at)
+            if logits.is_cuda:  # NCCL fails by never finishing: wait here, where a death is noticed
+                torch.cuda.current_stream().synchronize()
+        for (i, _, _), r in zip(step.recompute, rows):
+            chunks[i].request.recompute_stats = r.stats
+        return logits, picks

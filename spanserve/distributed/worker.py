@@ -1,0 +1,92 @@
+"""A worker process: joins the group, loads its shard, then runs every step the driver sends
+until told to stop (or until the driver is gone: its connection closes)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spanserve.cache.storage import KVStorage
+from spanserve.distributed.group import TPGroup, quiet_threads
+from spanserve.distributed.shard import ShardPlan
+from spanserve.distributed.step import StepMessage, unpack
+from spanserve.distributed.storage_log import replay
+from spanserve.engine.runner import ModelRunner
+from spanserve.model.config import ModelConfig
+from spanserve.model.llama import LlamaModel
+
+log = logging.getLogger("spanserve.tp")
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    rank: int
+    world: int
+    port: int
+    device_type: str
+    dtype: torch.dtype
+    config: ModelConfig  # the whole model's
+    source: Any  # a spanserve.distributed.weights source
+    float32_reduce: bool = False
+
+
+@dataclass(frozen=True)
+class EngineInit:
+    """What the driver decides once every rank has loaded: the KV pool and the attention path."""
+
+    num_blocks: int
+    block_size: int
+    backend: Any
+    cuda_graphs: Any
+
+
+class _Consumed(dict):
+    """Hands each tensor out once and forgets it: the model's stacked copies (qkv, gate_up)
+    replace the pieces as it builds, instead of both living until it is done (a 70B shard's
+    pieces are ~44 GB)."""
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.pop(name)
+
+
+def load_shard(group: TPGroup, config: ModelConfig, source: Any, dtype: torch.dtype) -> LlamaModel:
+    plan = ShardPlan(config, group.rank, group.world)
+    weights = _Consumed(source.shard(plan, dtype, group.device))
+    model = LlamaModel(plan.local_config(), weights, dtype, group.device, group=group, vocab_size=config.vocab_size)
+    del weights
+    if group.device.type == "cuda":
+        torch.cuda.empty_cache()  # what loading freed is free for the KV pool
+    return model
+
+
+def free_memory(device: torch.device) -> int:
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+
+
+def worker_main(args: WorkerArgs) -> None:
+    quiet_threads()
+    group = TPGroup.join(args.rank, args.world, args.port, args.device_type, args.float32_reduce)
+    try:
+        model = load_shard(group, args.config, args.source, args.dtype)
+        group.min_over_ranks(free_memory(group.device))
+        init = group.recv()
+        if not isinstance(init, EngineInit):  # the driver failed before its engine was built
+            return
+        storage = KVStorage(model.config, init.num_blocks, init.block_size, args.dtype, group.device)
+        runner = ModelRunner(model, storage, init.backend, init.cuda_graphs)
+        serve(group, runner, storage)
+    finally:
+        group.leave()
+
+
+def serve(group: TPGroup, runner: ModelRunner, storage: KVStorage) -> None:
+    while True:
+        msg: StepMessage = group.recv()
+        replay(storage, msg.ops, runner.model.rotary)
+        if msg.step is None:
+            return
+        step = unpack(msg.step)
+        hidden, _ = runner.execute(step)
+        runner.logits(hidden, step.sample_at)  # the LM head's vocabulary gather is a collective
