@@ -18,8 +18,10 @@ from spanserve.engine.detokenize import IncrementalText
 from spanserve.engine.outputs import RequestOutput, find_stop
 from spanserve.engine.request import Request, Status
 from spanserve.engine.runner import ModelRunner
+from spanserve.engine.runtime import make_backend
 from spanserve.engine.sampling import Sampler, SamplingParams, make_generator
 from spanserve.engine.scheduler import Scheduler
+from spanserve.engine.step_stats import DecodeStepStats
 from spanserve.model.llama import LlamaModel
 from spanserve.model.loader import LoadedModel, load_model
 from spanserve.reuse.policies import Policy, resolve_policy
@@ -47,11 +49,12 @@ class LLMEngine:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
-        backend: AttentionBackend | None = None,
+        backend: AttentionBackend | str | None = None,
         default_policy: str | Policy = "none",
         pin_fraction: float = 0.5,
         reposition: str = "deferred",
         cuda_graphs: "bool | str" = "auto",
+        fused_ops: bool | None = None,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -67,7 +70,8 @@ class LLMEngine:
         loaded = model if isinstance(model, LoadedModel) else load_model(model, self.dtype, self.device)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device)
+        # fused_ops: the Triton elementwise kernels; None = on a CUDA device when Triton imports
+        self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, fused=fused_ops)
         del loaded
         per_block = bytes_per_block(self.config, block_size, self.dtype)
         if num_blocks is None:
@@ -80,6 +84,8 @@ class LLMEngine:
         self.storage = KVStorage(self.config, num_blocks, block_size, self.dtype, self.device)
         self.manager = CacheManager(self.pool, self.storage, block_size, reposition, self.model.rotary)
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
+        if isinstance(backend, str):  # a name: "triton" or "reference"
+            backend = make_backend(backend)
         # cuda_graphs: decode steps replay CUDA graphs on a GPU with the Triton backend ("auto");
         # False runs every step eagerly (vLLM's enforce_eager)
         self.runner = ModelRunner(self.model, self.storage, backend or ReferenceBackend(), cuda_graphs)
@@ -88,6 +94,7 @@ class LLMEngine:
         self.max_model_len = min(max_model_len or limit, limit)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.decode_stats = DecodeStepStats()  # decode-only steps: wall time by batch size
         self.counters = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0, "preemptions": 0,
                          "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
 
@@ -158,6 +165,7 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.counters["preemptions"] += len(sched.preempted)
         if not sched.chunks:
@@ -188,6 +196,9 @@ class LLMEngine:
                 continue
             self.manager.publish(req)
             outputs.append(self._output(req))
+        if all(len(c.positions) == 1 and c.recompute is None for c in sched.chunks):
+            self.decode_stats.record(len(sched.chunks), sum(c.positions[0] + 1 for c in sched.chunks),
+                                     time.perf_counter() - t0)
         return outputs
 
     def _append(self, req: Request, tok: int, lp: Any) -> None:
