@@ -73,7 +73,7 @@ def check_tiny(rows: list) -> None:
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outs, steps = {}, {}
     for name, dev, be in [("cpu", "cpu", None), ("cuda-reference", DEV, None), ("cuda-triton", DEV, TritonBackend())]:
-        llm = LLM(str(path), device=dev, block_size=16, num_blocks=256, backend=be)
+        llm = LLM(str(path), device=dev, dtype="float32", block_size=16, num_blocks=256, backend=be or "reference")
         first = [o.token_ids for o in llm.generate(lays, params)]
         second = [o.token_ids for o in llm.generate(lays[::-1], params)][::-1]  # warm, other order
         outs[name] = (first, second)
@@ -82,7 +82,7 @@ def check_tiny(rows: list) -> None:
             steps[name] = f" ({sg.replays} step-graph replays)"
     seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
     for dev in ("cpu", DEV):  # per-request generators live on the engine's device
-        LLM(str(path), device=dev, block_size=16, num_blocks=64).generate(lays[2], seeded)
+        LLM(str(path), device=dev, dtype="float32", block_size=16, num_blocks=64).generate(lays[2], seeded)
     rows.append(("seeded sampling runs on", DEV, True))
     for name in ("cuda-reference", "cuda-triton"):
         same = outs[name][0] == outs["cpu"][0] and outs[name][1] == outs["cpu"][0]

@@ -7,8 +7,14 @@ import sys
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file or a Hugging Face model directory")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto (CUDA when present, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "reference"],
+                   help="auto: triton on CUDA, reference on CPU")
+    p.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
+    p.add_argument("--fused-ops", default="auto", choices=["auto", "on", "off"],
+                   help="Triton kernels for norms, rotary and SiLU; auto: on with CUDA")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=_size, default=None,
                    help="bytes for the KV pool, e.g. 1073741824, 512MiB or 2GB (default: 1 GiB on CPU)")
@@ -26,12 +32,18 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+def _runtime_args(args: argparse.Namespace) -> dict:
+    """The device/dtype/backend options, named as ServeOptions and LLM name them."""
+    return {"device": args.device, "dtype": args.dtype, "backend": args.attention_backend,
+            "enforce_eager": args.enforce_eager, "fused_ops": args.fused_ops}
+
+
 def _serve(args: argparse.Namespace) -> int:
     from spanserve.server.launch import ServeOptions, serve
 
     return serve(ServeOptions(
         model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
-        device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+        **_runtime_args(args), kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, default_policy=args.default_policy,
         max_queued_requests=args.max_queued_requests, log_level=args.log_level,
         tensor_parallel_size=args.tensor_parallel_size))
@@ -40,7 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from spanserve import LLM, SamplingParams
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+    llm = LLM(args.model, **_runtime_args(args), block_size=args.block_size,
               kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
               tensor_parallel_size=args.tensor_parallel_size)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)

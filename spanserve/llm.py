@@ -1,21 +1,39 @@
 """Offline Python API, shaped like vLLM's: LLM(...).generate(prompts, params)."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
+from spanserve.attention.backend import AttentionBackend
 from spanserve.engine.engine import LLMEngine
 from spanserve.engine.layout import Segment
 from spanserve.engine.outputs import RequestOutput
+from spanserve.engine.runtime import Runtime, RuntimeRequest, detect_platform, resolve_runtime
 from spanserve.engine.sampling import SamplingParams
 from spanserve.reuse.policies import Policy
 
 Prompt = str | list[int] | list[Segment]
+log = logging.getLogger("spanserve")
 
 
 class LLM:
-    def __init__(self, model: Any = "smollm2", device: str = "cpu", dtype: str = "float32", block_size: int = 16,
-                 **engine_args: Any):
-        self.engine = LLMEngine(model=model, device=device, dtype=dtype, block_size=block_size, **engine_args)
+    def __init__(self, model: Any = "smollm2", device: str = "auto", dtype: str = "auto", block_size: int = 16,
+                 backend: "str | AttentionBackend | None" = "auto", enforce_eager: bool = False,
+                 fused_ops: str = "auto", **engine_args: Any):
+        """device, dtype, backend ("auto", "triton", "reference" or a backend object) and
+        fused_ops ("auto", "on", "off") default to the fastest choice for the machine: on a GPU
+        CUDA, bfloat16, Triton attention, CUDA graphs (enforce_eager=True turns them off) and
+        fused elementwise kernels; on a CPU float32 and the reference backend."""
+        obj = backend if isinstance(backend, AttentionBackend) else None
+        name = "auto" if backend is None else backend if obj is None else _backend_name(obj)
+        self.runtime: Runtime = resolve_runtime(
+            RuntimeRequest(str(device), str(dtype).removeprefix("torch."), str(name), enforce_eager, fused_ops),
+            detect_platform(model))
+        log.info("runtime: %s", self.runtime.summary())
+        args = {**self.runtime.engine_args(), **engine_args}
+        if obj is not None:
+            args["backend"] = obj
+        self.engine = LLMEngine(model=model, block_size=block_size, **args)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes (also done at interpreter exit)."""
@@ -80,3 +98,9 @@ class LLM:
         # tokenizer versions disagree on what tokenize=True returns.
         texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
         return self.generate([self.engine.encode(t) for t in texts], params, namespace=namespace)
+
+
+def _backend_name(backend: AttentionBackend) -> str:
+    from spanserve.attention.reference import ReferenceBackend
+
+    return "reference" if isinstance(backend, ReferenceBackend) else "triton"

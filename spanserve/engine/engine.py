@@ -19,8 +19,10 @@ from spanserve.engine.detokenize import IncrementalText
 from spanserve.engine.outputs import RequestOutput, find_stop
 from spanserve.engine.request import Request, Status
 from spanserve.engine.runner import ModelRunner
+from spanserve.engine.runtime import make_backend
 from spanserve.engine.sampling import Sampler, SamplingParams, make_generator
 from spanserve.engine.scheduler import Scheduler
+from spanserve.engine.step_stats import DecodeStepStats
 from spanserve.model.llama import LlamaModel
 from spanserve.model.loader import LoadedModel, load_model
 from spanserve.reuse.policies import Policy, resolve_policy
@@ -48,7 +50,7 @@ class LLMEngine:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
-        backend: AttentionBackend | None = None,
+        backend: AttentionBackend | str | None = None,
         default_policy: str | Policy = "none",
         pin_fraction: float = 0.5,
         reposition: str = "deferred",
@@ -56,6 +58,7 @@ class LLMEngine:
         tensor_parallel_size: int = 1,
         tp_on_failure: str = "raise",
         tp_float32_reduce: bool = False,
+        fused_ops: bool | None = None,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -84,7 +87,8 @@ class LLMEngine:
                 loaded = model if isinstance(model, LoadedModel) else load_model(model, self.dtype, self.device)
             self.config = loaded.config
             self.tokenizer = loaded.tokenizer
-            self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device)
+            # fused_ops: the Triton elementwise kernels; None = on a CUDA device when Triton imports
+            self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, fused=fused_ops)
             del loaded
         per_block = bytes_per_block(self.model.config, block_size, self.dtype)  # this rank's heads
         if num_blocks is None:
@@ -95,6 +99,8 @@ class LLMEngine:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         backend = backend or ReferenceBackend()
+        if isinstance(backend, str):  # a name: "triton" or "reference"
+            backend = make_backend(backend)
         if self.tp is not None:
             self.storage = self.tp.storage(num_blocks, block_size, backend, cuda_graphs)
         else:
@@ -112,6 +118,7 @@ class LLMEngine:
         self.max_model_len = min(max_model_len or limit, limit)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.decode_stats = DecodeStepStats()  # decode-only steps: wall time by batch size
         self.counters = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0, "preemptions": 0,
                          "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
 
@@ -189,6 +196,7 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.counters["preemptions"] += len(sched.preempted)
         if not sched.chunks:
@@ -219,6 +227,9 @@ class LLMEngine:
                 continue
             self.manager.publish(req.kv)
             outputs.append(self._output(req))
+        if all(len(c.positions) == 1 and c.recompute is None for c in sched.chunks):
+            self.decode_stats.record(len(sched.chunks), sum(c.positions[0] + 1 for c in sched.chunks),
+                                     time.perf_counter() - t0)
         return outputs
 
     def _append(self, req: Request, tok: int, lp: Any) -> None:

@@ -33,8 +33,11 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
+    device: str = "auto"
+    dtype: str = "auto"
+    backend: str = "auto"  # attention backend: auto | triton | reference
+    enforce_eager: bool = False  # no CUDA graphs
+    fused_ops: str = "auto"  # auto | on | off
     kv_cache_memory: int | None = None
     block_size: int = 16
     max_num_seqs: int = 64
@@ -52,6 +55,7 @@ def serve(opts: ServeOptions) -> int:
     import uvicorn
 
     from spanserve.engine.engine import LLMEngine
+    from spanserve.engine.runtime import RuntimeRequest, detect_platform, resolve_runtime
     from spanserve.server.app import create_app
     from spanserve.server.context import ServerConfig
 
@@ -59,9 +63,12 @@ def serve(opts: ServeOptions) -> int:
     name = opts.served_model_name or default_served_name(opts.model)
     config = ServerConfig(served_model_name=name, model_source=opts.model,
                           max_pending=opts.max_num_seqs + opts.max_queued_requests)
-    log.info("loading model %s on %s (%s) ...", opts.model, opts.device, opts.dtype)
+    runtime = resolve_runtime(RuntimeRequest(opts.device, opts.dtype, opts.backend, opts.enforce_eager, opts.fused_ops),
+                              detect_platform(opts.model))
+    log.info("runtime: %s", runtime.summary())
+    log.info("loading model %s on %s (%s) ...", opts.model, runtime.device, runtime.dtype)
     t0 = time.monotonic()
-    engine = LLMEngine(model=opts.model, device=opts.device, dtype=opts.dtype, block_size=opts.block_size,
+    engine = LLMEngine(model=opts.model, **runtime.engine_args(), block_size=opts.block_size,
                        kv_cache_memory=opts.kv_cache_memory, max_num_seqs=opts.max_num_seqs,
                        max_model_len=opts.max_model_len, default_policy=opts.default_policy,
                        tensor_parallel_size=opts.tensor_parallel_size, tp_on_failure="exit")

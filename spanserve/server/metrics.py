@@ -61,6 +61,20 @@ class _EngineCollector(Collector):
             ("spanserve_engine_requests_finished", "requests_finished", "requests the engine finished"),
         ):
             yield CounterMetricFamily(name, doc, value=counters.get(key, 0))
+        yield from _decode_steps(e)
+
+
+def _decode_steps(e: LLMEngine) -> Iterator[Metric]:
+    """Decode-only steps by batch size: count, wall seconds, KV tokens read (benchmarks/serving.py
+    compares them with the bandwidth bound)."""
+    fams = [CounterMetricFamily("spanserve_decode_steps", "decode-only engine steps", labels=["batch"]),
+            CounterMetricFamily("spanserve_decode_step_seconds", "wall time of decode-only steps", labels=["batch"]),
+            CounterMetricFamily("spanserve_decode_kv_tokens", "keys per layer read by decode-only steps",
+                                labels=["batch"])]
+    for batch, t in sorted(e.decode_stats.snapshot().items()):
+        for fam, value in zip(fams, (t.steps, t.seconds, t.kv_tokens)):
+            fam.add_metric([str(batch)], value)
+    yield from fams
 
 
 class ServerMetrics:
