@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import time
 from typing import Any, Sequence
 
@@ -23,9 +24,12 @@ from spanserve.engine.runtime import make_backend
 from spanserve.engine.sampling import Sampler, SamplingParams, make_generator
 from spanserve.engine.scheduler import Scheduler
 from spanserve.engine.step_stats import DecodeStepStats
+from spanserve.engine.structured import Grammars, parse_response_format
 from spanserve.model.llama import LlamaModel
 from spanserve.model.loader import LoadedModel, load_model
 from spanserve.reuse.policies import Policy, resolve_policy
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -114,6 +118,7 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model, self.storage, backend, cuda_graphs)
         self.sampler = Sampler()
+        self.grammars = Grammars(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         limit = min(self.config.max_position_embeddings, num_blocks * block_size)
         self.max_model_len = min(max_model_len or limit, limit)
         self.requests: dict[str, Request] = {}
@@ -176,6 +181,9 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        fmt = parse_response_format(params.response_format)
+        if fmt is not None:  # last check: a matcher exists only for a request that is queued
+            self.grammars.open(rid, fmt)
         req = Request(rid, ids, params, namespace=namespace, generator=make_generator(params.seed, self.device),
                       pieces=pieces, policy=pol, **extra)
         self.requests[rid] = req
@@ -189,6 +197,7 @@ class LLMEngine:
             return None
         req.finish_reason = "abort"
         self.scheduler.finish(req)
+        self.grammars.close(request_id)
         return self._output(req)
 
     def has_unfinished(self) -> bool:
@@ -214,7 +223,9 @@ class LLMEngine:
             return []
         logits, rows = self.runner.run(sched.chunks)
         sampled = [(c.request, r) for c, r in zip(sched.chunks, rows) if r >= 0]
-        tokens, logprobs = self.sampler(logits, [q.params for q, _ in sampled], [q.generator for q, _ in sampled])
+        mask = self.grammars.mask([q.request_id for q, _ in sampled], logits.device)
+        tokens, logprobs = self.sampler(logits, [q.params for q, _ in sampled], [q.generator for q, _ in sampled],
+                                        mask)
         touched = {id(c.request): c.request for c in sched.chunks}
         for (req, _), tok, lp in zip(sampled, tokens, logprobs):
             self._append(req, tok, lp)
@@ -249,6 +260,7 @@ class LLMEngine:
             req.detok = IncrementalText(self._detok)
         req.text = req.detok.update(req.output_token_ids)
         reason: str | None = None
+        grammar_done = req.request_id in self.grammars and self._advance_grammar(req, tok)
         if tok in p.stop_token_ids:
             reason, req.stop_reason = "stop", tok
         elif not p.ignore_eos and tok in self.eos_token_ids:
@@ -257,6 +269,8 @@ class LLMEngine:
             i, s = hit
             req.text = req.text[: i + (len(s) if p.include_stop_str_in_output else 0)]
             reason, req.stop_reason = "stop", s
+        elif grammar_done:
+            reason, req.stop_reason = "stop", None
         elif len(req.output_token_ids) >= p.max_tokens:
             reason = "length"
         elif len(main.tokens) >= self.max_model_len:
@@ -266,6 +280,16 @@ class LLMEngine:
                 req.text = req.detok.update(req.output_token_ids, final=True)
             req.finish_reason = reason
             self.scheduler.finish(req)
+
+    def _advance_grammar(self, req: Request, tok: int) -> bool:
+        """Feed tok to the request's grammar; True once the grammar has ended (its stop token
+        was accepted: with ignore_eos the request must still stop there)."""
+        if not self.grammars.advance(req.request_id, tok):
+            # The mask allowed only tokens the grammar accepts, so this is a bug; end the
+            # request rather than emit output that breaks the format.
+            log.error("request %s: grammar refused sampled token %d", req.request_id, tok)
+            return True
+        return self.grammars.finished(req.request_id)
 
     # ---- pinned segments -------------------------------------------------------------------
     def pin(self, segments: "list[Segment | str]", namespace: str = "") -> Request:
@@ -310,6 +334,7 @@ class LLMEngine:
 
     def _finish_output(self, req: Request) -> RequestOutput:
         self.requests.pop(req.request_id, None)
+        self.grammars.close(req.request_id)
         self.counters["requests_finished"] += 1
         for k in ("prefix", "perforated", "segment", "computed"):
             self.counters[k] += req.reuse[k]

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spanserve.engine.structured import TokenMask, parse_response_format
+
 MAX_LOGPROBS = 20
 
 
@@ -37,6 +39,7 @@ class SamplingParams:
     # Top-n logprobs of each chosen token (0 = only the chosen token's); None = none.
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    response_format: dict | None = None
 
     def __post_init__(self) -> None:
         # Accept the loose forms an OpenAI-style request carries.
@@ -48,6 +51,7 @@ class SamplingParams:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         self._validate()
+        parse_response_format(self.response_format)  # raises ResponseFormatError on a bad shape
 
     def _validate(self) -> None:
         # Negated comparisons below so NaN fails too.
@@ -240,7 +244,9 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        mask: TokenMask | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """mask: tokens a structured-output row may pick, applied before every filter and the argmax."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         batch = logits.shape[0]
@@ -249,7 +255,8 @@ class Sampler:
                 f"got {batch} logits rows, {len(params)} params and "
                 f"{len(generators)} generators; pass one of each per row"
             )
-        logits = logits.to(torch.float32)
+        raw = logits.to(torch.float32)
+        logits = raw if mask is None else mask.applied(raw)
         tokens = [0] * batch
 
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
@@ -271,7 +278,7 @@ class Sampler:
             for i, t in zip(sampled_rows, picked):
                 tokens[i] = t
 
-        return tokens, self._logprobs(logits, params, tokens)
+        return tokens, self._logprobs(raw, params, tokens)
 
     @staticmethod
     def _sample(

@@ -102,6 +102,16 @@ def load_model(
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
 
 
+def load_tokenizer(model: str = "smollm2") -> "transformers.PreTrainedTokenizerBase | None":
+    """Only the tokenizer of `model` (see resolve_model), without reading any weights."""
+    path = resolve_model(model)
+    if path.is_dir():
+        return _load_hf_dir_tokenizer(path)
+    from gguf import GGUFReader
+
+    return _gguf_tokenizer(GGUFReader(str(path)), path)
+
+
 def _smollm2_path() -> Path:
     # find_spec on a top-level package does not execute its __init__, which imports
     # llama_cpp and llm; those are deliberately not installed (--no-deps).
@@ -159,12 +169,15 @@ def _load_hf_dir(path: Path) -> _Parts:
     weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    tokenizer = None
-    if any((path / f).is_file() for f in _TOKENIZER_FILES):
-        from transformers import AutoTokenizer
+    return config, weights, _load_hf_dir_tokenizer(path)
 
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return config, weights, tokenizer
+
+def _load_hf_dir_tokenizer(path: Path) -> "transformers.PreTrainedTokenizerBase | None":
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def _merge_generation_eos(config: ModelConfig, gen_path: Path) -> ModelConfig:

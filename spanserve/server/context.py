@@ -200,9 +200,10 @@ class ServingContext:
                 seed=seed, stop=_stops(req), stop_token_ids=req.stop_token_ids or [],
                 ignore_eos=req.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                response_format=req.response_format,
             )
         except ValueError as e:
-            raise bad_request(str(e)) from e
+            raise bad_request(str(e), param=getattr(e, "param", None)) from e
 
     async def submit(self, id_: str, prompts: Sequence[Prompt], req: SamplingRequest,
                      max_tokens: int | None, logprobs: int | None) -> Submission:
@@ -216,8 +217,8 @@ class ServingContext:
                                          namespace=req.cache_salt or "", policy=req.policy))
         try:
             streams = await self.engine.add_requests(specs)
-        except ValueError as e:
-            raise bad_request(str(e), param="prompt") from e
+        except ValueError as e:  # a schema the grammar compiler refuses names response_format
+            raise bad_request(str(e), param=getattr(e, "param", "prompt")) from e
         except EngineOverloaded as e:
             raise APIError(429, str(e), code="server_overloaded") from e
         except EngineDeadError as e:

@@ -57,6 +57,8 @@ class SamplingRequest(_Request):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # {"type": "text" | "json_object" | "json_schema", ...}: checked by SamplingParams
+    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _neutral_only(self) -> SamplingRequest:
@@ -157,10 +159,6 @@ class ChatMessage(_Request):
         return out
 
 
-class ResponseFormat(_Request):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -168,7 +166,6 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Literal["none"] | None = None
 

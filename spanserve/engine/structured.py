@@ -1,0 +1,172 @@
+"""Structured output: OpenAI's `response_format` as a grammar every sampled token must follow.
+
+`{"type": "json_object"}` constrains the output to one JSON object, `{"type": "json_schema",
+"json_schema": {"name", "schema", "strict"}}` to a JSON value valid against `schema`, and
+`{"type": "text"}` (or none) leaves it free. xgrammar (chosen by measurement, see
+docs/structured-output.md) compiles a schema once per tokenizer into a grammar whose
+per-token masks are mostly precomputed; each request then holds a matcher: the engine asks it
+for a bitmask of allowed tokens before every sample, and feeds it each token sampled.
+
+The JSON is compact: "," and ":" separators and no free whitespace. A grammar that allows
+whitespace anywhere lets a weak model emit it forever; the compact form has one layout per
+value, so output length is bounded by the content alone.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SEPARATORS = (",", ":")
+# xgrammar's errors start with "[hh:mm:ss] /path/file.cc:line: "; the rest is the reason.
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+
+
+class ResponseFormatError(ValueError):
+    """A response_format the server cannot honour; `param` names the request field at fault."""
+
+    param = "response_format"
+
+
+@dataclass(frozen=True)
+class JsonFormat:
+    """A validated JSON response_format: schema None means any JSON object (json_object)."""
+
+    schema: str | None  # the schema as compact JSON text (property order kept: it is the output order)
+    name: str | None = None
+
+
+def parse_response_format(value: Any) -> JsonFormat | None:
+    """The JSON format a response_format asks for, None for plain text; raises
+    ResponseFormatError for any other shape (checked before any grammar library runs)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ResponseFormatError(f"response_format must be an object with a 'type', got {value!r}")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JsonFormat(None)
+    if kind != "json_schema":
+        raise ResponseFormatError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
+                                  f"got {kind!r}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ResponseFormatError("response_format.json_schema must be an object with 'name' and 'schema' "
+                                  f"when type is 'json_schema', got {spec!r}")
+    name, schema, strict = spec.get("name"), spec.get("schema"), spec.get("strict")
+    if name is not None and not isinstance(name, str):
+        raise ResponseFormatError(f"response_format.json_schema.name must be a string, got {name!r}")
+    if not isinstance(schema, dict):
+        raise ResponseFormatError("response_format.json_schema.schema must be a JSON Schema object, "
+                                  f"got {schema!r}")
+    if strict is not None and not isinstance(strict, bool):
+        raise ResponseFormatError(f"response_format.json_schema.strict must be a boolean, got {strict!r}")
+    return JsonFormat(json.dumps(schema, separators=SEPARATORS), name)
+
+
+@dataclass
+class TokenMask:
+    """Allowed tokens of some rows of a batch of logits: bitmask [batch, ceil(V/32)] int32 on
+    the logits' device (bit v of row b set = token v allowed); only `rows` are constrained."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+    def applied(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of logits [batch, V] with every disallowed token of a constrained row at -inf."""
+        import xgrammar
+
+        out = logits.clone()
+        xgrammar.apply_token_bitmask_inplace(out, self.bitmask, indices=self.rows)
+        return out
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Plain-torch form of the same masking, on any device: logits [B, V] go to -inf wherever
+    bit v of bitmask row b [B, ceil(V/32)] is 0 (the tests' reference, and a fallback)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    keep = bits.view(bitmask.shape[0], -1)[:, : logits.shape[-1]].bool()
+    logits.masked_fill_(~keep, float("-inf"))
+
+
+class Grammars:
+    """The engine's grammar state: one compiler for its tokenizer (built on first use: ~1 s
+    for a 49k vocabulary), compiled grammars cached by schema, one matcher per live request."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._compiler: Any = None
+        self._matchers: dict[str, Any] = {}
+        self._bitmask: torch.Tensor | None = None  # host buffer, grown to the largest batch seen
+
+    @property
+    def live(self) -> int:
+        return len(self._matchers)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def compile(self, fmt: JsonFormat) -> Any:
+        """The compiled grammar of fmt; ResponseFormatError if the schema cannot be compiled."""
+        compiler = self._get_compiler()
+        try:
+            if fmt.schema is None:
+                # strict_mode off: an object may carry any properties
+                return compiler.compile_json_schema('{"type":"object"}', any_whitespace=False,
+                                                    separators=SEPARATORS, strict_mode=False)
+            return compiler.compile_json_schema(fmt.schema, any_whitespace=False, separators=SEPARATORS)
+        except (RuntimeError, ValueError) as e:
+            reason = _CPP_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else "")
+            raise ResponseFormatError(f"response_format.json_schema.schema is not a usable JSON Schema: "
+                                      f"{reason or type(e).__name__}") from e
+
+    def open(self, request_id: str, fmt: JsonFormat) -> None:
+        import xgrammar
+
+        self._matchers[request_id] = xgrammar.GrammarMatcher(self.compile(fmt))
+
+    def close(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def mask(self, request_ids: list[str], device: torch.device) -> TokenMask | None:
+        """The mask for a batch whose row i samples for request_ids[i]; None if no row is constrained."""
+        rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
+        if not rows:
+            return None
+        words = (self.vocab_size + 31) // 32
+        buf = self._bitmask
+        if buf is None or buf.shape[0] < len(request_ids):
+            buf = torch.full((len(request_ids), words), -1, dtype=torch.int32,
+                             pin_memory=device.type == "cuda")
+            self._bitmask = buf
+        for i in rows:
+            self._matchers[request_ids[i]].fill_next_token_bitmask(buf, i)
+        # The copy is awaited by the sampler's own reads before this buffer is refilled.
+        return TokenMask(rows, buf[: len(request_ids)].to(device, non_blocking=True))
+
+    def advance(self, request_id: str, token: int) -> bool:
+        """Feed a sampled token; False if the grammar refuses it (a bug: the mask allowed it)."""
+        return bool(self._matchers[request_id].accept_token(token))
+
+    def finished(self, request_id: str) -> bool:
+        """The grammar has ended: the matcher accepted one of its stop tokens."""
+        return bool(self._matchers[request_id].is_terminated())
+
+    def _get_compiler(self) -> Any:
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise ResponseFormatError("response_format needs the model's tokenizer, and this model has none")
+            import xgrammar
+
+            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                           stop_token_ids=self.eos_token_ids)
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        return self._compiler
