@@ -136,13 +136,25 @@ class ModelRunner:
             hidden = self.step_graphs.run(hp)
             if hidden is not None:
                 return self._logits(hidden, sample_at)
+        return self._logits(self._eager(chunks, hp), sample_at)
+
+    @torch.inference_mode()
+    def run_keep_hidden(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """run's result plus the hidden states of every position [T, H], in batch order (for
+        prompt logprobs: always the eager path, whose hidden states cover every position)."""
+        hp, sample_at = host_plan(chunks)
+        hidden = self._eager(chunks, hp)
+        logits, rows = self._logits(hidden, sample_at)
+        return logits, rows, hidden
+
+    def _eager(self, chunks: list[Chunk], hp: HostPlan) -> torch.Tensor:
         ids, plan = device_plan(hp, self.model.device)
         rows = self._recompute_rows(chunks, plan)
         hooks = Recompute(rows, ids.numel(), self.model.rotary, self.storage.block_size) if rows else None
         hidden = self.model.forward(ids, plan, self.backend, self.k_caches, self.v_caches, hooks)
         for c, r in zip([c for c in chunks if c.recompute is not None], rows):
             c.request.recompute_stats = r.stats
-        return self._logits(hidden, sample_at)
+        return hidden
 
     def _logits(self, hidden: torch.Tensor, sample_at: list[int]) -> tuple[torch.Tensor, list[int]]:
         picks = [i for i in sample_at if i >= 0]
