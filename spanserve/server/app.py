@@ -24,6 +24,7 @@ from spanserve.server.completions import create_completion
 from spanserve.server.context import ServerConfig, ServingContext
 from spanserve.server.errors import APIError, install_handlers
 from spanserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from spanserve.server.openapi import install_openapi
 from spanserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, PinRequest,
                                        PinResponse, UnpinResponse, now_s)
 from spanserve.server.query import execute_query
@@ -135,4 +136,7 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def unpin(key: str, cache_salt: str | None = None) -> UnpinResponse:
         return await unpin_segment(ctx, key, cache_salt)
 
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                          "/v1/segments": PinRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+                          "/v1/query/execute": {"type": "object", "description": "a span query in spnl's JSON"}})
     return app
