@@ -46,7 +46,8 @@ def _serve(args: argparse.Namespace) -> int:
         **_runtime_args(args), kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, default_policy=args.default_policy,
         max_queued_requests=args.max_queued_requests, log_level=args.log_level,
-        tensor_parallel_size=args.tensor_parallel_size))
+        tensor_parallel_size=args.tensor_parallel_size, api_key=args.api_key,
+        auth_all_routes=args.auth_all_routes, strict_params=args.strict_params))
 
 
 def _serve_cluster(args: argparse.Namespace) -> int:
@@ -114,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests that may wait beyond --max-num-seqs before new ones get 429")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $SPANSERVE_API_KEY; unset = open)")
+    s.add_argument("--auth-all-routes", action="store_true", help="require the key on /health and /metrics too")
+    s.add_argument("--strict-params", action="store_true",
+                   help="answer 400 to request fields outside the OpenAI schema (default: ignore them, with a warning)")
     s.set_defaults(func=_serve)
     c = sub.add_parser("serve-cluster", help="serve replicas behind a segment-aware router on Ray Serve")
     _engine_args(c)

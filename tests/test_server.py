@@ -221,8 +221,8 @@ def test_wrong_types_are_400(server: ServerProcess) -> None:
 def test_bad_values_are_400(server: ServerProcess) -> None:
     for body in ({"prompt": PROMPT, "temperature": -1}, {"prompt": PROMPT, "top_p": 0},
                  {"prompt": PROMPT, "logprobs": 99}, {"prompt": ""}, {"prompt": [999999]},
-                 {"prompt": PROMPT, "stop": [""]}, {"prompt": PROMPT, "unknown_field": 1},
-                 {"prompt": PROMPT, "frequency_penalty": 0.5}, {"prompt": PROMPT, "n": 0}):
+                 {"prompt": PROMPT, "stop": [""]}, {"prompt": PROMPT, "logit_bias": {"x": 1}},
+                 {"prompt": PROMPT, "frequency_penalty": 2.5}, {"prompt": PROMPT, "n": 0}):
         error_of(httpx.post(f"{server.url}/v1/completions", json=body), 400)
 
 

@@ -171,9 +171,7 @@ class TPRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.driver = driver
 
-    @torch.inference_mode()
-    def run(self, chunks: list[Any]) -> tuple[torch.Tensor, list[int]]:
-        step = self.prepare(chunks)
+    def _run(self, chunks: list[Any], step: Any) -> tuple[torch.Tensor, list[int], torch.Tensor]:
         assert isinstance(self.storage, RecordingStorage)
         with self.driver.collective():
             self.driver.group.send(StepMessage(self.storage.drain(), pack(step)))
@@ -183,4 +181,4 @@ class TPRunner(ModelRunner):
                 torch.cuda.current_stream().synchronize()
         for (i, _, _), r in zip(step.recompute, rows):
             chunks[i].request.recompute_stats = r.stats
-        return logits, picks
+        return logits, picks, hidden

@@ -18,6 +18,7 @@ from spanserve.distributed.weights import RandomWeights
 from spanserve.engine.layout import Segment, checked_many, checked_tokens, resolve
 from spanserve.engine.detokenize import IncrementalText
 from spanserve.engine.outputs import RequestOutput, find_stop
+from spanserve.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from spanserve.engine.request import Request, Status
 from spanserve.engine.runner import ModelRunner
 from spanserve.engine.runtime import make_backend
@@ -164,6 +165,7 @@ class LLMEngine:
                     **extra: Any) -> Request:
         """prompt: text, token ids, or a span layout (a list of Segments)."""
         params = params or SamplingParams()
+        self._check_params(params)
         pol = resolve_policy(policy, self.default_policy)
         pieces = []
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], Segment):
@@ -175,6 +177,9 @@ class LLMEngine:
             ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt is empty; send at least one token")
+        if pieces and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs needs a plain prompt; a span layout's standalone segments are "
+                             "encoded on their own, so its positions have no single causal reading to score")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but the model's context here is {self.max_model_len}; "
                              "shorten the prompt (or raise kv_cache_memory / max_model_len)")
@@ -190,6 +195,12 @@ class LLMEngine:
         self.scheduler.add(req)
         self.counters["prompt_tokens"] += len(ids)
         return req
+
+    def _check_params(self, params: SamplingParams) -> None:
+        vocab = self.config.vocab_size
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias names token id {bad[0]}, outside this model's vocabulary of {vocab}")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
@@ -221,11 +232,15 @@ class LLMEngine:
                 self.scheduler.finish(req)
                 return [self._finish_output(req)]
             return []
-        logits, rows = self.runner.run(sched.chunks)
+        if any(wants_prompt_logprobs(c) for c in sched.chunks):
+            logits, rows, hidden = self.runner.run_keep_hidden(sched.chunks)
+            record_prompt_logprobs(self.model.logits, sched.chunks, hidden)
+        else:
+            logits, rows = self.runner.run(sched.chunks)
         sampled = [(c.request, r) for c, r in zip(sched.chunks, rows) if r >= 0]
         mask = self.grammars.mask([q.request_id for q, _ in sampled], logits.device)
         tokens, logprobs = self.sampler(logits, [q.params for q, _ in sampled], [q.generator for q, _ in sampled],
-                                        mask)
+                                        mask, [(q.prompt_token_ids, q.output_token_ids) for q, _ in sampled])
         touched = {id(c.request): c.request for c in sched.chunks}
         for (req, _), tok, lp in zip(sampled, tokens, logprobs):
             self._append(req, tok, lp)
@@ -349,5 +364,6 @@ class LLMEngine:
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, text=req.text,
             token_ids=list(req.output_token_ids), finished=req.finished, finish_reason=req.finish_reason,
             stop_reason=req.stop_reason, logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
             metrics=metrics,
         )

@@ -17,6 +17,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" while finished, else None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # [0] is None: nothing precedes it
     metrics: dict[str, Any] = field(default_factory=dict)
 
 

@@ -35,6 +35,7 @@ class Request:
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token; [0] is None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""

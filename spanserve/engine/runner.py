@@ -140,13 +140,13 @@ class ModelRunner:
                           any(c.recompute is not None for c in chunks))
         return step_path(shape, limits)
 
-    def prepare(self, chunks: list[Chunk]) -> "StepInput":
+    def prepare(self, chunks: list[Chunk], eager: bool = False) -> "StepInput":
         """The step as host data only: what `execute` runs (on this process or, under tensor
-        parallelism, on every rank)."""
+        parallelism, on every rank). eager: the general plan, launched from Python."""
         # Decode-only steps skip the general plan: their fixed buffers are filled from host
         # arrays in one copy (on a GPU the host work is what the step waits for).
-        dec = decode_rows(chunks) if self.graphs is not None else None
-        path = self._path(chunks, dec is not None)
+        dec = decode_rows(chunks) if self.graphs is not None and not eager else None
+        path = StepPath.EAGER if eager else self._path(chunks, dec is not None)
         if path is StepPath.DECODE_GRAPH:
             return StepInput(dec[1], decode=dec[0])
         hp, sample_at = host_plan(chunks)
@@ -177,11 +177,22 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
         """Logits [n_sampled, vocab] (float32) and, per chunk, its row in them or -1."""
-        step = self.prepare(chunks)
+        logits, picks, _ = self._run(chunks, self.prepare(chunks))
+        return logits, picks
+
+    @torch.inference_mode()
+    def run_keep_hidden(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """run's result plus the hidden states of every position [T, H], in batch order (for
+        prompt logprobs: always the eager path, whose hidden states cover every position)."""
+        return self._run(chunks, self.prepare(chunks, eager=True))
+
+    def _run(self, chunks: list[Chunk], step: "StepInput") -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """Executes a prepared step (tensor parallelism overrides this to run it on every rank)."""
         hidden, rows = self.execute(step)
         for (i, _, _), r in zip(step.recompute, rows):
             chunks[i].request.recompute_stats = r.stats
-        return self.logits(hidden, step.sample_at)
+        logits, picks = self.logits(hidden, step.sample_at)
+        return logits, picks, hidden
 
     def logits(self, hidden: torch.Tensor, sample_at: list[int]) -> tuple[torch.Tensor, list[int]]:
         picks = [i for i in sample_at if i >= 0]

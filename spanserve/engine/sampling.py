@@ -1,6 +1,7 @@
 """Per-request sampling parameters and the batched sampler.
 
-Filtering order matches vLLM: temperature, top-k, top-p, min-p, renormalize.
+Logit bias and penalties come first (engine/penalties.py); filtering order then matches
+vLLM: temperature, top-k, top-p, min-p, renormalize.
 Every filter is defined by a value threshold rather than by a position in a sorted
 list, so tied tokens at a cut-off are kept or dropped together and the support
 never depends on how a sort happened to order equal values.
@@ -15,10 +16,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from spanserve.engine.structured import TokenMask, parse_response_format
+from spanserve.engine.penalties import Histories, apply_penalties, check_penalties
 
 MAX_LOGPROBS = 20
 
@@ -39,7 +42,19 @@ class SamplingParams:
     # Top-n logprobs of each chosen token (0 = only the chosen token's); None = none.
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
-    response_format: dict | None = None
+    # OpenAI penalties over the generated tokens: presence subtracts a constant from every token
+    # seen, frequency subtracts per occurrence; both in [-2, 2], 0 = off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM / transformers penalty over prompt + generated tokens: positive logits are divided by
+    # it, negative ones multiplied; > 0, 1 = off.
+    repetition_penalty: float = 1.0
+    # Token id -> value added to its logit before sampling, in [-100, 100].
+    logit_bias: dict[int, float] | None = None
+    # Top-n logprobs of every prompt token after the first (0 = only the token's own); None = none.
+    prompt_logprobs: int | None = None
+    # OpenAI's response_format object, as sent; interpreted by the structured-output hook.
+    response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Accept the loose forms an OpenAI-style request carries.
@@ -52,6 +67,7 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         self._validate()
         parse_response_format(self.response_format)  # raises ResponseFormatError on a bad shape
+        check_penalties(self)
 
     def _validate(self) -> None:
         # Negated comparisons below so NaN fails too.
@@ -87,6 +103,14 @@ class SamplingParams:
                 f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}; "
                 "use 0 for only the chosen token's logprob, None for no logprobs"
             )
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}"
+            )
+        if self.response_format is not None and not isinstance(self.response_format, dict):
+            raise ValueError(f"response_format must be a dict (OpenAI's object) or None, got {self.response_format!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         for i, s in enumerate(self.stop):
@@ -126,6 +150,7 @@ class TokenLogprobs:
     # Top-n alternatives (token id -> logprob), highest first, n = params.logprobs;
     # includes the chosen token if it is in the top n.
     top: dict[int, float]
+    rank: int | None = None  # 1 = the most likely token; set for prompt tokens
 
 
 def make_generator(
@@ -245,8 +270,10 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         mask: TokenMask | None = None,
+        histories: Histories | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """mask: tokens a structured-output row may pick, applied before every filter and the argmax."""
+        """mask: tokens a structured-output row may pick, applied before every filter and the argmax;
+        histories: each row's (prompt, generated) token ids, for penalties; None = all empty."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         batch = logits.shape[0]
@@ -255,8 +282,10 @@ class Sampler:
                 f"got {batch} logits rows, {len(params)} params and "
                 f"{len(generators)} generators; pass one of each per row"
             )
-        raw = logits.to(torch.float32)
-        logits = raw if mask is None else mask.applied(raw)
+        raw = logits = logits.to(torch.float32)
+        logits = apply_penalties(logits, params, histories)
+        if mask is not None:
+            logits = mask.applied(logits)
         tokens = [0] * batch
 
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
@@ -312,7 +341,7 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
             return out
-        # Raw logits, before temperature and filtering: reports what the model
+        # Raw logits, before bias, penalties, temperature and filtering: reports what the model
         # thought, not what the sampler was allowed to pick.
         lp = torch.log_softmax(logits[rows], dim=-1)
         chosen_ids = torch.tensor([tokens[i] for i in rows], device=lp.device)

@@ -17,15 +17,20 @@ from starlette.responses import Response
 
 from spanserve.engine.async_engine import AsyncEngine
 from spanserve.engine.engine import LLMEngine
+from spanserve.server.auth import OPEN_PATHS, BearerAuth
 from spanserve.server.chat import create_chat_completion
+from spanserve.server.compat import screen, screen_unknown
 from spanserve.server.completions import create_completion
 from spanserve.server.context import ServerConfig, ServingContext
 from spanserve.server.errors import APIError, install_handlers
 from spanserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from spanserve.server.openapi import install_openapi
 from spanserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, PinRequest,
                                        PinResponse, UnpinResponse, now_s)
 from spanserve.server.query import execute_query
 from spanserve.server.span import pin_segments, unpin_segment
+from spanserve.server.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
+                                       detokenize, tokenize)
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,8 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="spanserve", lifespan=lifespan)
     app.state.ctx = ctx
     install_handlers(app)
+    if config.api_key:
+        app.add_middleware(BearerAuth, api_key=config.api_key, open_paths=() if config.auth_all_routes else OPEN_PATHS)
 
     async def read_body(http: Request) -> bytes:
         declared = http.headers.get("content-length")
@@ -95,12 +102,26 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(http: Request) -> Response:
         req = CompletionRequest.model_validate_json(await read_body(http))
+        screen(req, config.strict_params, "/v1/completions")
         return await create_completion(ctx, req, http)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request) -> Response:
         req = ChatCompletionRequest.model_validate_json(await read_body(http))
+        screen(req, config.strict_params, "/v1/chat/completions")
         return await create_chat_completion(ctx, req, http)
+
+    @app.post("/tokenize")
+    async def tokenize_route(http: Request) -> TokenizeResponse:
+        req = TokenizeRequest.model_validate_json(await read_body(http))
+        screen_unknown(req, config.strict_params, "/tokenize")
+        return await tokenize(ctx, req)
+
+    @app.post("/detokenize")
+    async def detokenize_route(http: Request) -> DetokenizeResponse:
+        req = DetokenizeRequest.model_validate_json(await read_body(http))
+        screen_unknown(req, config.strict_params, "/detokenize")
+        return await detokenize(ctx, req)
 
     @app.post("/v1/query/execute")
     async def query_execute(http: Request) -> Response:
@@ -115,4 +136,7 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def unpin(key: str, cache_salt: str | None = None) -> UnpinResponse:
         return await unpin_segment(ctx, key, cache_salt)
 
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                          "/v1/segments": PinRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+                          "/v1/query/execute": {"type": "object", "description": "a span query in spnl's JSON"}})
     return app

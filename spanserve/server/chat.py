@@ -54,7 +54,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         for k, o in enumerate(finals)
     ]
     resp = ChatCompletionResponse(id=sub.id, created=now_s(), model=model, choices=choices,
-                                  usage=sub.usage(finals))
+                                  usage=sub.usage(finals),
+                                  prompt_logprobs=ctx.prompt_logprobs(finals[0].prompt_logprobs, req.prompt_logprobs)
+                                  if req.prompt_logprobs is not None and finals else None)
     return Response(resp.model_dump_json(), media_type="application/json")
 
 

@@ -24,12 +24,12 @@ from spanserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineO
                                            RequestSpec, RequestStream)
 from spanserve.engine.layout import Segment
 from spanserve.engine.outputs import RequestOutput
-from spanserve.engine.sampling import SamplingParams
+from spanserve.engine.sampling import SamplingParams, TokenLogprobs
 from spanserve.reuse.policies import resolve_policy
 from spanserve.server.errors import APIError, bad_request
 from spanserve.server.metrics import ServerMetrics
-from spanserve.server.protocol import (SEED_MAX, SEED_MIN, ChatMessage, PromptTokensDetails, ReuseCounts,
-                                       SamplingRequest, Usage)
+from spanserve.server.protocol import (SEED_MAX, SEED_MIN, ChatMessage, PromptLogprob, PromptLogprobs,
+                                       PromptTokensDetails, ReuseCounts, SamplingRequest, Usage)
 from spanserve.server.streaming import fan_in
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,11 @@ class ServerConfig:
     model_source: str
     # Requests in flight (running + waiting) before new ones get 429; None = unbounded.
     max_pending: int | None = None
+    # Unknown request fields: False = ignored with a warning, True = 400 naming the field.
+    strict_params: bool = False
+    # Bearer key every route but /health and /metrics requires (those too with auth_all_routes).
+    api_key: str | None = None
+    auth_all_routes: bool = False
 
 
 @dataclass
@@ -147,6 +152,9 @@ class ServingContext:
         return list(await self._on_tokenizer(functools.partial(self.tokenizer.encode, add_special_tokens=False),
                                              prompt))
 
+    async def decode(self, ids: list[int]) -> str:
+        return str(await self._on_tokenizer(self.tokenizer.decode, ids))
+
     async def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
@@ -161,6 +169,21 @@ class ServingContext:
             return list(tok.encode(text, add_special_tokens=False))
 
         return list(await self._on_tokenizer(render))
+
+    def prompt_logprobs(self, entries: Sequence[TokenLogprobs | None] | None, n_top: int) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs: per prompt token, the token and its n_top best alternatives by id."""
+        if entries is None:
+            return None
+        out: PromptLogprobs = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            alts = {t: PromptLogprob(logprob=v, rank=r + 1, decoded_token=self.token_text(t))
+                    for r, (t, v) in enumerate(list(e.top.items())[:n_top])}
+            alts[e.token_id] = PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=self.token_text(e.token_id))
+            out.append(alts)
+        return out
 
     @functools.lru_cache(maxsize=65536)
     def token_text(self, token_id: int) -> str:
@@ -184,8 +207,13 @@ class ServingContext:
                               param="max_tokens", code="context_length_exceeded")
         return max_tokens
 
-    @staticmethod
-    def _params(req: SamplingRequest, max_tokens: int, logprobs: int | None, sample: int) -> SamplingParams:
+    def _params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None, sample: int,
+                prompt_logprobs: int | None) -> SamplingParams:
+        vocab = self.engine.engine.config.vocab_size
+        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}  # keys checked by compat.screen
+        if any(t >= vocab for t in bias):
+            raise bad_request(f"logit_bias names token id {max(bias)}, outside this model's vocabulary of {vocab}",
+                              param="logit_bias")
         seed = req.seed
         if seed is not None and sample:
             # Distinct, reproducible streams per choice; wrapped to stay a valid int64 seed.
@@ -200,20 +228,27 @@ class ServingContext:
                 seed=seed, stop=_stops(req), stop_token_ids=req.stop_token_ids or [],
                 ignore_eos=req.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                response_format=req.response_format,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=bias or None, prompt_logprobs=prompt_logprobs, response_format=req.response_format,
             )
         except ValueError as e:
-            raise bad_request(str(e), param=getattr(e, "param", None)) from e
+            # SamplingParams names the field first in its messages
+            raise bad_request(str(e), param=getattr(e, "param", None) or (str(e).split(" ", 1)[0] if str(e)[:1].isalpha() else None)) from e
 
     async def submit(self, id_: str, prompts: Sequence[Prompt], req: SamplingRequest,
-                     max_tokens: int | None, logprobs: int | None) -> Submission:
+                     max_tokens: int | None, logprobs: int | None,
+                     prompt_logprobs: int | None = None) -> Submission:
+        """prompt_logprobs: None = the request's own field."""
+        if prompt_logprobs is None:
+            prompt_logprobs = req.prompt_logprobs
         check_policy(req.policy)
         specs: list[RequestSpec] = []
         lens = [prompt_len(p) for p in prompts]
         for p, ids in enumerate(prompts):
             budget = self._budget(lens[p], max_tokens)
             for j in range(req.n):
-                specs.append(RequestSpec(ids, self._params(req, budget, logprobs, j), f"{id_}-{p}-{j}",
+                specs.append(RequestSpec(ids, self._params(req, budget, logprobs, j, prompt_logprobs), f"{id_}-{p}-{j}",
                                          namespace=req.cache_salt or "", policy=req.policy))
         try:
             streams = await self.engine.add_requests(specs)

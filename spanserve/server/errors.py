@@ -19,7 +19,7 @@ from spanserve.server.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
 

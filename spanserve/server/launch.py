@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ from pathlib import Path
 from spanserve.cache.storage import bytes_per_block
 
 log = logging.getLogger("spanserve")
+
+API_KEY_ENV = "SPANSERVE_API_KEY"
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -47,6 +50,9 @@ class ServeOptions:
     max_queued_requests: int = 1024
     log_level: str = "info"
     tensor_parallel_size: int = 1
+    api_key: str | None = None  # None: the SPANSERVE_API_KEY environment variable, if set
+    auth_all_routes: bool = False  # the key guards /health and /metrics too
+    strict_params: bool = False  # unknown request fields are a 400 instead of a logged warning
 
 
 def serve(opts: ServeOptions) -> int:
@@ -61,8 +67,10 @@ def serve(opts: ServeOptions) -> int:
 
     logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = opts.served_model_name or default_served_name(opts.model)
+    api_key = opts.api_key or os.environ.get(API_KEY_ENV) or None
     config = ServerConfig(served_model_name=name, model_source=opts.model,
-                          max_pending=opts.max_num_seqs + opts.max_queued_requests)
+                          max_pending=opts.max_num_seqs + opts.max_queued_requests,
+                          strict_params=opts.strict_params, api_key=api_key, auth_all_routes=opts.auth_all_routes)
     runtime = resolve_runtime(RuntimeRequest(opts.device, opts.dtype, opts.backend, opts.enforce_eager, opts.fused_ops),
                               detect_platform(opts.model))
     log.info("runtime: %s", runtime.summary())
@@ -82,6 +90,10 @@ def serve(opts: ServeOptions) -> int:
     app = create_app(engine, config)
     url = f"http://{opts.host}:{opts.port}"
     log.info("serving %r at %s/v1 (metrics at %s/metrics)", name, url, url)
+    log.info("access: %s; unknown request fields: %s",
+             ("API key required on every route" if opts.auth_all_routes else
+              "API key required (/health and /metrics open)") if api_key else "open (no --api-key)",
+             "refused (--strict-params)" if opts.strict_params else "ignored with a warning")
     server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level,
                                            access_log=False, timeout_graceful_shutdown=5))
     try:

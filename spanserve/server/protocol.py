@@ -1,9 +1,10 @@
 """OpenAI-compatible request and response bodies.
 
-Requests are validated strictly (JSON types as sent: "1" is not an int, true is not a number)
-and unknown fields are refused: a parameter this server would silently ignore could change what
-the client believes it asked for. OpenAI fields the engine cannot honour are declared and
-accepted only at their neutral value, so common clients that send defaults keep working.
+Requests take every field of OpenAI's chat-completions and completions schemas, plus vLLM's
+common extensions and this server's own (span layouts, policies). JSON types are checked as
+sent ("1" is not an int, true is not a number). Fields outside the schema are kept aside for the
+route to warn about (or refuse under --strict-params: see server/compat.py), which also decides
+what the engine cannot honour and refuses it by name.
 """
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from spanserve.engine.sampling import MAX_LOGPROBS
+from spanserve.server.messages import ChatMessage, ContentPart, OpenAIBody
+
+__all__ = ["ChatMessage", "ContentPart", "OpenAIBody"]
 
 MAX_N = 16  # choices per request: each one is a full request in the engine
 MAX_PROMPTS = 64  # prompts in one batched completions request
@@ -24,14 +28,17 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
 class _Request(BaseModel):
+    """This server's own request objects (span segments, pins): unknown fields are refused."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class StreamOptions(_Request):
+class StreamOptions(OpenAIBody):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI pads chunks against side channels: not done here
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(OpenAIBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # None = the served model
@@ -40,35 +47,25 @@ class SamplingRequest(_Request):
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    user: str | None = None  # end-user tag: informational only
+    response_format: dict[str, Any] | None = None  # handed to the sampler as sent
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # The prefix cache is shared only between requests with the same salt (tenant isolation).
     cache_salt: str | None = None
     # Recomputation policy for span layouts (extension): none | full | cacheblend | sparseq.
     policy: str | None = None
-    user: str | None = None  # end-user tag: informational only
-    # Not implemented by the sampler: accepted only at their neutral values.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    # {"type": "text" | "json_object" | "json_schema", ...}: checked by SamplingParams
-    response_format: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _neutral_only(self) -> SamplingRequest:
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            value = getattr(self, name)
-            if value is not None and value != neutral:
-                raise ValueError(f"{name} is not supported by this server; omit it or set it to {neutral}")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server; omit it")
-        return self
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -102,23 +99,12 @@ class SpanSegment(_OneSource):
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput | None = None
     segments: Annotated[list[SpanSegment], Field(min_length=1, max_length=MAX_SEGMENTS)] | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    # 0 only with echo: score the prompt, generate nothing
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-
-    @model_validator(mode="after")
-    def _supported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported by this server; omit it or set it to false")
-        if self.suffix:
-            raise ValueError("suffix is not supported by this server; omit it")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported by this server; omit it or set it equal to n")
-        if (self.prompt is None) == (self.segments is None):
-            raise ValueError("send exactly one of prompt or segments (a span layout)")
-        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a lone string or token list is a batch of one."""
@@ -136,46 +122,34 @@ class CompletionRequest(SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
 
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
-    # Extension: consecutive "plus" messages become standalone span segments (see server/span.py).
-    kind: Literal["cross", "plus"] | None = None
-
-    def as_template_dict(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(p.text for p in content)
-        out: dict[str, Any] = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            out["name"] = self.name
-        return out
-
-
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool = True  # vLLM extension
+    # OpenAI fields that change nothing for a text model without tools (server/compat.py says
+    # which values are accepted and which are refused)
     tools: list[Any] | None = None
-    tool_choice: Literal["none"] | None = None
-
-    @model_validator(mode="after")
-    def _supported(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools are not supported by this server; omit them")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
-        return self
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    moderation: dict[str, Any] | None = None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -221,12 +195,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One alternative at one prompt position, in vLLM's prompt_logprobs shape."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# Per prompt token, keyed by token id: the token itself and the top alternatives; [0] is None.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -272,6 +259,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
