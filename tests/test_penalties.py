@@ -66,7 +66,7 @@ def test_sampler_applies_them_and_reports_raw_logprobs() -> None:
     params = [SamplingParams(temperature=0, logit_bias={3: 100}, logprobs=0),
               SamplingParams(temperature=0, frequency_penalty=2.0, logprobs=0)]
     # row 1 has generated token 7 four times: 5 - 2*4 < 0, so 7 loses to the zeros
-    tokens, lps = Sampler()(logits, params, [None, None], [([], []), ([], [7, 7, 7, 7])])
+    tokens, lps = Sampler()(logits, params, [None, None], histories=[([], []), ([], [7, 7, 7, 7])])
     assert tokens[0] == 3 and tokens[1] != 7
     raw = torch.log_softmax(logits[0], dim=-1)
     assert lps[0] is not None and lps[0].logprob == pytest.approx(float(raw[3]))
@@ -78,7 +78,7 @@ def test_bias_bans_and_forces_when_sampling() -> None:
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
     banned = int(logits[0].argmax())
     params = [SamplingParams(temperature=1.0, seed=s, logit_bias={banned: -100, 11: 100}) for s in range(4)]
-    tokens, _ = Sampler()(logits, params, [torch.Generator().manual_seed(s) for s in range(4)], [([], [])] * 4)
+    tokens, _ = Sampler()(logits, params, [torch.Generator().manual_seed(s) for s in range(4)], histories=[([], [])] * 4)
     assert tokens == [11] * 4
 
 

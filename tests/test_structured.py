@@ -215,7 +215,7 @@ def test_masked_sampling_equals_sampling_the_masked_logits() -> None:
     for trial in range(20):
         gens = [make_generator(None if p.seed is None else p.seed + 100 * trial) for p in params]
         ref_gens = [make_generator(None if p.seed is None else p.seed + 100 * trial) for p in params]
-        got, _ = sampler(logits, params, gens, TokenMask(rows, bitmask))
+        got, _ = sampler(logits, params, gens, mask=TokenMask(rows, bitmask))
         want, _ = sampler(masked, params, ref_gens)
         assert got == want
         for b in rows:
@@ -226,7 +226,7 @@ def test_logprobs_report_the_unmasked_model() -> None:
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(1, 300, generator=gen)
     bitmask = random_bitmask(gen, 1, 300, 0.1)
-    tok, lps = Sampler()(logits, [SamplingParams(temperature=0.0, logprobs=0)], [None], TokenMask([0], bitmask))
+    tok, lps = Sampler()(logits, [SamplingParams(temperature=0.0, logprobs=0)], [None], mask=TokenMask([0], bitmask))
     assert lps[0] is not None
     assert lps[0].logprob == pytest.approx(float(torch.log_softmax(logits[0], -1)[tok[0]]))
 

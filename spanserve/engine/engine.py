@@ -240,7 +240,7 @@ class LLMEngine:
         sampled = [(c.request, r) for c, r in zip(sched.chunks, rows) if r >= 0]
         mask = self.grammars.mask([q.request_id for q, _ in sampled], logits.device)
         tokens, logprobs = self.sampler(logits, [q.params for q, _ in sampled], [q.generator for q, _ in sampled],
-                                        mask, [(q.prompt_token_ids, q.output_token_ids) for q, _ in sampled])
+                                        mask=mask, histories=[(q.prompt_token_ids, q.output_token_ids) for q, _ in sampled])
         touched = {id(c.request): c.request for c in sched.chunks}
         for (req, _), tok, lp in zip(sampled, tokens, logprobs):
             self._append(req, tok, lp)

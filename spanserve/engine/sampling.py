@@ -269,6 +269,7 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        *,
         mask: TokenMask | None = None,
         histories: Histories | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
