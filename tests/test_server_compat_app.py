@@ -100,3 +100,12 @@ def test_every_field_of_the_openai_schemas_is_declared() -> None:
         assert fields, model
         missing = fields - set(model.model_fields)
         assert not missing, f"{model.__name__} lacks OpenAI fields {sorted(missing)}"
+
+
+def test_api_key_from_flag_or_environment() -> None:
+    from spanserve.server.launch import API_KEY_ENV, resolve_api_key
+
+    assert API_KEY_ENV == "SPANSERVE_API_KEY"
+    assert resolve_api_key("sk-flag", {API_KEY_ENV: "sk-env"}) == "sk-flag"
+    assert resolve_api_key(None, {API_KEY_ENV: "sk-env"}) == "sk-env"
+    assert resolve_api_key(None, {API_KEY_ENV: ""}) is None and resolve_api_key(None, {}) is None

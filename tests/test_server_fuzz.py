@@ -74,7 +74,15 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "cache_salt": st.text(max_size=8),
     "echo": st.booleans(),
     "frequency_penalty": st.floats(-1, 1),
-    "logit_bias": st.dictionaries(st.text(max_size=3), st.floats(-5, 5), max_size=2),
+    "logit_bias": st.dictionaries(st.text(max_size=3) | st.integers(-1, 500).map(str), st.floats(-101, 101),
+                                  max_size=3),
+    "presence_penalty": st.floats(-3, 3) | st.none(),
+    "repetition_penalty": st.floats(-1, 200) | st.just(float("nan")),
+    "prompt_logprobs": st.integers(-1, 25) | st.none(),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "yaml"}, {}]) | json_values,
+    "reasoning_effort": st.sampled_from(["low", "high", None]) | json_values,
+    "tools": st.just([{"type": "function", "function": {"name": "f"}}]) | st.just([]) | json_values,
+    "metadata": st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2),
 }
 
 

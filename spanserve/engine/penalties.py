@@ -79,11 +79,19 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     return out
 
 
-def _flat(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(row index, token id) of every token of every row, as int64 arrays."""
+def _pairs(seqs: Sequence[Sequence[int]], rows: Sequence[int], vocab: int,
+           unique: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(row, token id) of every token of seqs[k], placed in row rows[k]; each pair once if
+    `unique`. int64 arrays, built on the host: a history is short next to a vocabulary."""
     lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-    ids = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs]) if lens.sum() else np.zeros(0, np.int64)
-    return np.repeat(np.arange(len(seqs), dtype=np.int64), lens), ids
+    if not lens.sum():
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    ids = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs])
+    r = np.repeat(np.asarray(rows, dtype=np.int64), lens)
+    if unique:
+        key = np.unique(r * vocab + ids)
+        r, ids = key // vocab, key % vocab
+    return r, ids
 
 
 def _index(rows: np.ndarray, ids: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,29 +109,37 @@ def _add_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     x.index_put_((r, t), vals, accumulate=True)
 
 
+# Both penalties touch only the logits of tokens in a history: they gather and scatter those
+# (O(history) work) instead of building [batch, vocab] masks or counts (O(vocab) per row).
+
 def _repetition(x: torch.Tensor, params: Sequence[SamplingParams], hist: Histories) -> None:
     sel = [r for r, p in enumerate(params) if p.repetition_penalty != 1.0]
     if not sel:
         return
-    rows, ids = _flat([list(hist[r][0]) + list(hist[r][1]) for r in sel])
-    r, t = _index(np.asarray(sel, dtype=np.int64)[rows], ids, x.device)
-    seen = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
-    seen[r, t] = True
-    pen = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
-    pen[sel, 0] = torch.tensor([params[i].repetition_penalty for i in sel], dtype=x.dtype, device=x.device)
-    scaled = torch.where(x > 0, x / pen, x * pen)
-    x.copy_(torch.where(seen, scaled, x))
+    seqs = [list(hist[r][0]) + list(hist[r][1]) for r in sel]
+    rows, ids = _pairs(seqs, sel, x.shape[1], unique=True)  # each logit scaled once
+    if not len(ids):
+        return
+    pen = torch.tensor([p.repetition_penalty for p in params], dtype=x.dtype, device=x.device)
+    r, t = _index(rows, ids, x.device)
+    vals = x[r, t]
+    per = pen[r]
+    x[r, t] = torch.where(vals > 0, vals / per, vals * per)
 
 
 def _frequency_presence(x: torch.Tensor, params: Sequence[SamplingParams], hist: Histories) -> None:
     sel = [r for r, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
-    if not sel or not any(len(hist[r][1]) for r in sel):
+    if not sel:
         return
-    rows, ids = _flat([hist[r][1] for r in sel])
-    r, t = _index(np.asarray(sel, dtype=np.int64)[rows], ids, x.device)
-    counts = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-    counts.index_put_((r, t), torch.ones(len(ids), dtype=x.dtype, device=x.device), accumulate=True)
+    seqs = [hist[r][1] for r in sel]
     dev = x.device
-    freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=dev)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=dev)[:, None]
-    x.sub_(freq * counts + pres * (counts > 0).to(x.dtype))
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=dev)
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=dev)
+    rows, ids = _pairs(seqs, sel, x.shape[1], unique=False)  # once per occurrence
+    if len(ids):
+        r, t = _index(rows, ids, dev)
+        x.index_put_((r, t), -freq[r], accumulate=True)
+    rows, ids = _pairs(seqs, sel, x.shape[1], unique=True)  # once per distinct token
+    if len(ids):
+        r, t = _index(rows, ids, dev)
+        x.index_put_((r, t), -pres[r], accumulate=True)

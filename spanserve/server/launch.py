@@ -5,6 +5,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,11 @@ def parse_size(text: str) -> int:
     if m is None:
         raise ValueError(f"not a size: {text!r}; use bytes or a unit like 512MiB or 2GB")
     return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def resolve_api_key(flag: str | None, env: Mapping[str, str]) -> str | None:
+    """--api-key, else $SPANSERVE_API_KEY; None (open access) when neither is a non-empty key."""
+    return flag or env.get(API_KEY_ENV) or None
 
 
 def default_served_name(model: str) -> str:
@@ -67,7 +73,7 @@ def serve(opts: ServeOptions) -> int:
 
     logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = opts.served_model_name or default_served_name(opts.model)
-    api_key = opts.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = resolve_api_key(opts.api_key, os.environ)
     config = ServerConfig(served_model_name=name, model_source=opts.model,
                           max_pending=opts.max_num_seqs + opts.max_queued_requests,
                           strict_params=opts.strict_params, api_key=api_key, auth_all_routes=opts.auth_all_routes)
