@@ -234,3 +234,19 @@ def test_logprobs_report_the_unmasked_model() -> None:
 def test_grammars_need_a_tokenizer() -> None:
     with pytest.raises(ResponseFormatError, match="tokenizer"):
         Grammars(None, 10, {0}).compile(JsonFormat(None))
+
+
+def test_python_api(model_dir: Path) -> None:
+    from spanserve.llm import LLM
+
+    llm = LLM(str(model_dir), num_blocks=64)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                               "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "rank"], "additionalProperties": False}
+    out, = llm.generate("Best city?", SamplingParams(max_tokens=40, seed=0, response_format=json_schema_format(schema)))
+    jsonschema.validate(json.loads(out.text), schema)
+    bad = json_schema_format({"type": "objekt"})
+    with pytest.raises(ResponseFormatError):  # the first prompt was queued: it is aborted, matcher and all
+        llm.generate(["a", "b"], [SamplingParams(response_format={"type": "json_object"}),
+                                  SamplingParams(response_format=bad)])
+    assert llm.engine.grammars.live == 0 and not llm.engine.has_unfinished()
