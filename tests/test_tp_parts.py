@@ -13,7 +13,7 @@ from spanserve.distributed.step import Runs
 from spanserve.distributed.storage_log import RecordingStorage, replay
 from spanserve.distributed.weights import MemoryWeights, RandomWeights
 from spanserve.model.config import ModelConfig
-from spanserve.model.layers import Rotary
+from spanserve.model.llama import Rotary  # wherever RoPE lives, the model imports it
 from spanserve.model.loader import LoadedModel
 
 CFG = ModelConfig(arch="llama", vocab_size=101, hidden_size=32, intermediate_size=48, num_layers=2,
