@@ -39,7 +39,7 @@ from spanserve.attention.plan import AttentionPlan, Row  # noqa: E402
 from spanserve.attention.reference import ReferenceBackend  # noqa: E402
 from spanserve.attention.triton import LaunchConfig, TritonBackend, reposition_blocks  # noqa: E402
 from spanserve.cache.table import Entry, key_deltas, key_slots  # noqa: E402
-from spanserve.model.layers import Rotary, apply_rotary  # noqa: E402
+from spanserve.rope import Rotary, apply_rotary  # noqa: E402
 
 if SMOKE:
     H, KVH, D, BS, L, DEV = 4, 2, 32, 16, 2, torch.device("cpu")

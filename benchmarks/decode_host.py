@@ -36,11 +36,11 @@ from host_profile import tiny_config  # noqa: E402
 
 from spanserve.attention.plan import AttentionPlan  # noqa: E402
 from spanserve.attention.triton import TritonBackend  # noqa: E402
-from spanserve.attention.triton.layout import NUM_FIELDS, Launch, StepLayout, empty_launch  # noqa: E402
-from spanserve.attention.triton.static import StaticDecode  # noqa: E402
+from spanserve.attention.triton.launch import NUM_FIELDS, Launch, StepLayout, empty_launch  # noqa: E402
+from spanserve.attention.triton.graph_decode import StaticDecode  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
-from spanserve.engine.request import Task  # noqa: E402
+from spanserve.cache.claim import Task  # noqa: E402
 from spanserve.engine.runner import build_plan  # noqa: E402
 from spanserve.engine.sampling import Sampler, SamplingParams  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Where the time goes on a GPU, in one call (diagnostics for docs/gpu_notes.md, not a benchmark):
+"""Where the time goes on a GPU, in one call (diagnostics for docs/gpu.md, not a benchmark):
 
 1. prefill of --prefill plain tokens, random Llama-3-8B bf16: wall time of the engine step and the
    CUDA kernels' total by name (torch.profiler);

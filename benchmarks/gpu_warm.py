@@ -1,5 +1,5 @@
 """Where a warm span request's time goes on a GPU, and what split launches and the rotation mode
-change (diagnostics for docs/gpu_notes.md; the headline numbers come from rag_ttft.py --gpu and
+change (diagnostics for docs/gpu.md; the headline numbers come from rag_ttft.py --gpu and
 nested_gen.py --gpu).
 
 1. The warm RAG request of rag_ttft.py --gpu (N documents x 2857 tokens pinned, a new order and a

@@ -91,7 +91,7 @@ def trace_phases(llm: LLM, profile: bool = False) -> dict:
     eng = llm.engine
     events: dict = {"req": {}, "admit": {}, "run": []}
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
-    add, admit, run = eng.add_request, eng.manager.admit, eng.runner.run
+    add, admit, run = eng.add_request, eng.scheduler.admit, eng.runner.run
 
     def add_request(*a, **k):
         req = add(*a, **k)
@@ -120,7 +120,7 @@ def trace_phases(llm: LLM, profile: bool = False) -> dict:
                               {c.request.request_id for c in chunks}))
         return out
 
-    eng.add_request, eng.manager.admit, eng.runner.run = add_request, admit_, run_
+    eng.add_request, eng.scheduler.admit, eng.runner.run = add_request, admit_, run_
     return events
 
 

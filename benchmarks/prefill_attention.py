@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from spanserve.attention.plan import AttentionPlan, Row  # noqa: E402
 from spanserve.attention.triton import TritonBackend  # noqa: E402
-from spanserve.model.layers import Rotary  # noqa: E402
+from spanserve.rope import Rotary  # noqa: E402
 
 H, KVH, D, BS = 32, 8, 128, 16
 

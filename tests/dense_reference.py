@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from spanserve.engine.layout import Piece
 from spanserve.model.config import ModelConfig
-from spanserve.model.layers import rope_inv_freq
+from spanserve.rope import rope_inv_freq
 
 
 class Dense:

@@ -313,6 +313,15 @@ def _layout(rng: random.Random, docs: list[list[int]], questions: list[list[int]
     return pieces
 
 
+def admit(m: CacheManager, req: Request) -> bool:
+    """As the scheduler admits: the manager takes the request's plain view, the request carries
+    the holding it gets back."""
+    kv = m.admit(req.admission())
+    if kv is not None:
+        req.hold(kv)
+    return kv is not None
+
+
 def _state(req: Request) -> tuple:
     tasks = [(list(t.tokens), t.todo, t.slots.tolist(), None if t.deltas is None else t.deltas.tolist(),
               t.sample, t.main) for t in req.tasks]
@@ -340,10 +349,10 @@ def test_admission_with_and_without_packed_tokens(seed, policy):
             pieces = _layout(random.Random(layout_seed), docs, questions, packed, anchored)
             ids = [t for p in pieces for t in p.tokens]
             req = Request(f"r{step}", ids, SamplingParams(), pieces=pieces, policy=pol)
-            for u in m._units(req, pieces):
+            for u in m._units(req.admission()):
                 want = reference_plan(m, u.seed, u.tokens, u.keys, u.final)
                 assert m._plan_unit(u.seed, u.tokens, u.keys, u.final, u.packed, u.tail_key) == want
-            reqs.append((m, req, m.admit(req)))
+            reqs.append((m, req, admit(m, req)))
         (ma, ra, oka), (mb, rb, okb) = reqs
         assert oka == okb
         if not oka:
@@ -359,16 +368,16 @@ def test_admission_with_and_without_packed_tokens(seed, policy):
                 req.output_token_ids.append(tok)
                 req.main.tokens.append(tok)
                 req.main.todo.append(len(req.main.tokens) - 1)
-                assert m.ensure_capacity(req)
+                assert m.ensure_capacity(req.kv)
         assert _state(ra) == _state(rb)
         if computed and decoded and resumed:  # preempted, then admitted again with its output
             for m, req, _ in reqs:
-                m.release(req)
+                m.release(req.kv)
                 req.num_preemptions += 1
-            assert ma.admit(ra) == mb.admit(rb)
+            assert admit(ma, ra) == admit(mb, rb)
             assert _state(ra) == _state(rb)
         for m, req, _ in reqs:
-            m.release(req)
+            m.release(req.kv)
         assert [b.ref_cnt for b in ma.pool.blocks] == [b.ref_cnt for b in mb.pool.blocks]
         assert [b.id for b in ma.pool.free_blocks()] == [b.id for b in mb.pool.free_blocks()]
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 from spanserve.attention.plan import AttentionPlan, Row
 from spanserve.attention.reference import ReferenceBackend
 from spanserve.cache.table import Entry, key_deltas, key_slots
-from spanserve.model.layers import Rotary, apply_rotary
+from spanserve.rope import Rotary, apply_rotary
 
 H, KVH, D = 6, 2, 16
 

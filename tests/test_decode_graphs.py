@@ -15,12 +15,12 @@ import torch  # noqa: E402
 
 from spanserve.attention.reference import ReferenceBackend  # noqa: E402
 from spanserve.attention.triton import LaunchConfig, TritonBackend  # noqa: E402
-from spanserve.attention.triton.layout import SplitPolicy, build_layout  # noqa: E402
-from spanserve.attention.triton.static import StaticDecode  # noqa: E402
+from spanserve.attention.triton.launch import SplitPolicy, build_layout  # noqa: E402
+from spanserve.attention.triton.graph_decode import StaticDecode  # noqa: E402
 from spanserve.cache.table import Entry  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
-from spanserve.engine.request import Task  # noqa: E402
+from spanserve.cache.claim import Task  # noqa: E402
 from spanserve.engine.runner import build_plan, decode_rows  # noqa: E402
 from spanserve.engine.sampling import SamplingParams  # noqa: E402
 from spanserve.engine.scheduler import Chunk  # noqa: E402

@@ -1,5 +1,5 @@
-"""spanserve.model.fused against the eager ops of spanserve.model.layers, on CPU through Triton's
-interpreter.
+"""spanserve.model.fused against the eager ops of spanserve.model.layers and spanserve.rope, on CPU
+through Triton's interpreter.
 
 The interpreter is chosen before triton is first imported: the flag is read at import time."""
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from spanserve.model import fused  # noqa: E402
-from spanserve.model.layers import Rotary, apply_rotary, rms_norm  # noqa: E402
+from spanserve.model.layers import rms_norm  # noqa: E402
+from spanserve.rope import Rotary, apply_rotary  # noqa: E402
 
 HIDDEN = 576  # SmolLM2-135M: not a power of two
 H, KVH, D = 9, 3, 64

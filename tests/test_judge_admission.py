@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 
 from spanserve.cache import hashing
 from spanserve.cache.block_pool import BlockPool
+from spanserve.cache.claim import Holding, Piece, Task
 from spanserve.cache.manager import CacheManager, _all_hit, _Plan
-from spanserve.engine.layout import Piece
-from spanserve.engine.request import Request, Task
+from spanserve.engine.request import Request
 from spanserve.engine.sampling import SamplingParams
 from spanserve.reuse.policies import resolve_policy
 from spanserve.reuse.recompute import RecomputeSpec
-from test_admission_fast import reference_plan  # noqa: E402  (block by block, partials scanned)
+from test_admission_fast import admit, reference_plan  # noqa: E402  (block by block, partials scanned)
 
 VOCAB = 40
 
@@ -115,8 +115,8 @@ class PlainManager(CacheManager):
     """Admission, tasks, decode growth and release block by block, as before the fast paths:
     chains hashed per block, tails rehashed, partials scanned, no memos seeded on release."""
 
-    def _units(self, req, pieces):
-        units = super()._units(req, pieces)
+    def _units(self, adm):
+        units = super()._units(adm)
         for u in units + [u.source for u in units if u.source is not None]:
             assert u.keys == plain_chain(u.seed, u.tokens, self.block_size, False)  # the memo's answer
             u.tail_key = None
@@ -125,8 +125,8 @@ class PlainManager(CacheManager):
     def _plan_unit(self, seed, tokens, keys, extended, packed=None, tail_key=None):
         return reference_plan(self, seed, tokens, keys, extended)
 
-    def admit(self, req):
-        units = self._units(req, req.current_pieces())
+    def admit(self, adm):
+        units = self._units(adm)
         plans = [self._plan_unit(u.seed, u.tokens, u.keys, u.final) for u in units]
         sources = []
         if any(u.source is not None for u in units) and not _all_hit(units, plans, self.block_size):
@@ -146,8 +146,8 @@ class PlainManager(CacheManager):
         if self.pool.num_free < n_fresh:
             for b in touched:
                 self.pool.release(b)
-            return False
-        req.held = []
+            return None
+        req = Holding()
         reuse = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0}
         contiguous, bs = True, self.block_size
         for u, plan in zip(units + sources, plans):
@@ -178,16 +178,15 @@ class PlainManager(CacheManager):
                 self.pool.release(b)
             req.held.extend(copies)
             u.blocks, u.local_start = copies, u.start
-        if req.num_preemptions == 0:
-            req.reuse = reuse
+        req.reuse = reuse
         req.units, req.sources = units, sources
-        req.tasks = self._plain_tasks(req, units, sources)
-        return True
+        req.tasks = self._plain_tasks(adm, units, sources)
+        return req
 
     def _plain_tasks(self, req, units, sources):
         bs = self.block_size
         entries = plain_entries(units)
-        tokens = req.prompt_token_ids + req.output_token_ids
+        tokens = req.tokens
         first_plus = next((i for i, u in enumerate(units) if u.plus or u.source is not None), len(units))
         before = [u.start + p for u in units[:first_plus] for p in u.todo]
         after = [u.start + p for u in units[first_plus:] if not u.plus for p in u.todo]
@@ -260,7 +259,7 @@ def _step(m: CacheManager, req: Request, tok: int, first: bool) -> None:
     for t in req.tasks:
         t.todo.clear()
     if first:
-        m.snapshot_prompt_tail(req)
+        m.snapshot_prompt_tail(req.kv)
     req.output_token_ids.append(tok)
     req.main.tokens.append(tok)
     req.main.todo.append(len(req.main.tokens) - 1)
@@ -282,20 +281,20 @@ def scenario(m: CacheManager, seed: int, stats: dict) -> list:
                 p = rng.choice(prompts) if rng.random() < 0.7 else rand(2, 14)
                 req = Request(f"g{step}.{j}", p, SamplingParams(),
                               pieces=[Piece("cross", tuple(p), 0, packed=_packed(p) if rng.random() < 0.7 else None)])
-                if m.admit(req):
+                if admit(m, req):
                     live.append((req, rng.randrange(1, 30)))
                     trace.append(_snap(m, req))
             for k in range(30):
                 for req, n in list(live):
-                    if k and not m.ensure_capacity(req):
-                        m.release(req)
+                    if k and not m.ensure_capacity(req.kv):
+                        m.release(req.kv)
                         live.remove((req, n))
                         continue
                     _step(m, req, rng.randrange(VOCAB), k == 0)
                     if len(req.output_token_ids) < n:
-                        m.publish(req)
+                        m.publish(req.kv)
                         continue
-                    m.release(req)
+                    m.release(req.kv)
                     live.remove((req, n))
                     convs.append(req.prompt_token_ids + req.output_token_ids)
             trace.append(_snap(m))
@@ -315,23 +314,23 @@ def scenario(m: CacheManager, seed: int, stats: dict) -> list:
         pieces.append(Piece("cross", tuple(q), pos, packed=_packed(q)))
         pol = resolve_policy(rng.choice(["none", "none", "cacheblend"]))
         req = Request(f"j{step}", [t for p in pieces for t in p.tokens], SamplingParams(), pieces=pieces, policy=pol)
-        if not m.admit(req):
+        if not admit(m, req):
             trace.append(_snap(m))
             continue
         stats["tail_encodes"] += sum(1 for u in req.units if u.plus and u.todo)
         trace.append(_snap(m, req))
         if rng.random() < 0.8:  # computed, then a few decode steps (the table grows)
             for k in range(rng.randrange(6)):
-                if k and not m.ensure_capacity(req):
+                if k and not m.ensure_capacity(req.kv):
                     break
                 _step(m, req, rng.randrange(VOCAB), k == 0)
-                m.publish(req)
+                m.publish(req.kv)
                 trace.append(_snap(m, req))
             if rng.random() < 0.3:  # preempted, admitted again with its output
-                m.release(req)
+                m.release(req.kv)
                 req.num_preemptions += 1
-                trace.append(_snap(m, req) if m.admit(req) else _snap(m))
-        m.release(req)
+                trace.append(_snap(m, req) if admit(m, req) else _snap(m))
+        m.release(req.kv)
         trace.append(_snap(m))
     stats["rotated"] += sum(1 for e in m.storage.log if e[0] == "rotated")
     return trace

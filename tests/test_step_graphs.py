@@ -20,11 +20,11 @@ from spanserve.attention.host_plan import HostPlan  # noqa: E402
 from spanserve.attention.plan import AttentionPlan, HostRow  # noqa: E402
 from spanserve.attention.reference import ReferenceBackend  # noqa: E402
 from spanserve.attention.triton import LaunchConfig, TritonBackend  # noqa: E402
-from spanserve.attention.triton.static_step import bucket  # noqa: E402
+from spanserve.attention.triton.graph_step import bucket  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
 from spanserve.engine.sampling import SamplingParams  # noqa: E402
-from spanserve.model.layers import Rotary  # noqa: E402
+from spanserve.rope import Rotary  # noqa: E402
 
 
 def _host_plan(plan: AttentionPlan) -> HostPlan:

@@ -19,7 +19,7 @@ from spanserve.attention.plan import AttentionPlan, Row  # noqa: E402
 from spanserve.attention.reference import ReferenceBackend  # noqa: E402
 from spanserve.attention.triton import LaunchConfig, TritonBackend, reposition_blocks  # noqa: E402
 from spanserve.cache.table import Entry, key_deltas, key_slots  # noqa: E402
-from spanserve.model.layers import Rotary, apply_rotary  # noqa: E402
+from spanserve.rope import Rotary, apply_rotary  # noqa: E402
 
 D = 32
 BS = 8
@@ -192,7 +192,7 @@ def test_fresh_rows_through_dense_attention(seed: int) -> None:
 def test_split_shares_partition_tiles() -> None:
     # Each query block's shares cover its tiles exactly once, in order, and no share is empty of
     # both parts unless the block itself has fewer tiles than shares.
-    from spanserve.attention.triton.layout import F_PART0, F_SPLIT, _split
+    from spanserve.attention.triton.launch import F_PART0, F_SPLIT, _split
     rng = np.random.default_rng(0)
     desc = np.zeros((50, 16), dtype=np.int64)
     lo0 = rng.integers(0, 100, 50)
@@ -299,7 +299,7 @@ def test_reposition_then_attend_equals_deferred_rotation() -> None:
 
 
 def test_split_ways_follow_programs_and_tiles() -> None:
-    from spanserve.attention.triton.layout import SplitPolicy, decode_split
+    from spanserve.attention.triton.launch import SplitPolicy, decode_split
     p = SplitPolicy(33)  # 264 programs over 8 KV heads: two per SM of an H100
     assert p.ways(16, None) == 3  # prefill launches round up
     assert decode_split(p).ways(16, None) == 2  # decodes round down: 256 programs, one wave

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from spanserve.attention.plan import AttentionPlan
-from spanserve.model.layers import Rotary
+from spanserve.rope import Rotary
 
 
 class AttentionBackend(ABC):

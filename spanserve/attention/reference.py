@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from spanserve.attention.backend import AttentionBackend
 from spanserve.attention.plan import AttentionPlan
-from spanserve.model.layers import Rotary, apply_rotary
+from spanserve.rope import Rotary, apply_rotary
 
 
 @dataclass

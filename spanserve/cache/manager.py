@@ -1,6 +1,7 @@
 """Cache manager: turns a request's layout into units (chains of blocks), looks each unit up
 (prefix, perforated, partial-block and segment hits), allocates what misses, builds the tasks
-that compute the holes, publishes computed blocks and releases them."""
+that compute the holes, publishes computed blocks and releases them. It speaks plain data
+(`cache/claim.py`): an Admission in, a Holding out."""
 from __future__ import annotations
 
 import itertools
@@ -13,10 +14,9 @@ import numpy as np
 
 from spanserve.cache import hashing
 from spanserve.cache.block_pool import Block, BlockPool
+from spanserve.cache.claim import Admission, Holding, Task
 from spanserve.cache.storage import KVStorage
 from spanserve.cache.table import Table, build, grown, truncate
-from spanserve.engine.layout import Piece
-from spanserve.engine.request import Request, Task
 from spanserve.reuse.recompute import RecomputeSpec
 
 
@@ -121,17 +121,17 @@ class CacheManager:
         return _Plan(shared, copies)
 
     # ---- admission ------------------------------------------------------------------------
-    def _units(self, req: Request, pieces: list[Piece]) -> list[Unit]:
-        ns = req.namespace
+    def _units(self, adm: Admission) -> list[Unit]:
+        ns, pieces = adm.namespace, adm.pieces
         plain = hashing.seed(ns)
         units: list[Unit] = []
         link = plain
         prefix = pieces[0].tokens if pieces[0].kind == "cross" else ()
-        selective = req.policy is not None and req.policy.selective
-        policy_key = req.policy.key if req.policy is not None else "none"
+        selective = adm.policy is not None and adm.policy.selective
+        policy_key = adm.policy.key if adm.policy is not None else "none"
         bs = self.block_size
         for i, p in enumerate(pieces):
-            final = i == len(pieces) - 1 and not req.encode_only
+            final = i == len(pieces) - 1 and not adm.encode_only
             toks = p.tokens
             seg = None
             if p.kind == "plus":
@@ -149,10 +149,10 @@ class CacheManager:
             units.append(u)
         return units
 
-    def admit(self, req: Request) -> bool:
-        """Give a waiting request its blocks and tasks. False (and nothing changed) when the pool
+    def admit(self, adm: Admission) -> Holding | None:
+        """Give a waiting request its blocks and tasks. None (and nothing changed) when the pool
         cannot hold it now."""
-        units = self._units(req, req.current_pieces())
+        units = self._units(adm)
         plans = [self._plan_unit(u.seed, u.tokens, u.keys, u.final, u.packed, u.tail_key) for u in units]
         sources: list[Unit] = []
         if any(u.source is not None for u in units) and not _all_hit(units, plans, self.block_size):
@@ -173,8 +173,8 @@ class CacheManager:
         n_fresh += sum(len(plans[i].shared) for i in eager)
         if self.pool.num_free < n_fresh:
             self.pool.release_many(touched)
-            return False
-        req.held = []
+            return None
+        req = Holding()
         reuse = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0}
         contiguous = True
         bs = self.block_size
@@ -216,12 +216,11 @@ class CacheManager:
                 else:
                     kept.append(b)
             req.held = kept + [b for i in eager for b in units[i].blocks]
-        if req.num_preemptions == 0:  # a resumed request reports how it was first served
-            req.reuse = reuse
+        req.reuse = reuse
         req.units = units
         req.sources = sources
-        req.tasks = self._tasks(req, units, sources)
-        return True
+        req.tasks = self._tasks(adm, units, sources)
+        return req
 
     def _reposition(self, u: Unit) -> list[Block]:
         """Replace a hit segment's shared blocks by private copies rotated to its position;
@@ -234,13 +233,13 @@ class CacheManager:
         u.blocks, u.local_start = copies, u.start
         return old
 
-    def _tasks(self, req: Request, units: list[Unit], sources: list[Unit]) -> list[Task]:
+    def _tasks(self, adm: Admission, units: list[Unit], sources: list[Unit]) -> list[Task]:
         """Main-row work before the first plus unit, then each plus unit's encoding (it may read
         that prefix as its anchor), then the rest of the main row (it reads the segments)."""
         bs = self.block_size
         entries = self.entries(units)
         # the units are the current pieces, which cover the prompt and then the output in order
-        tokens = req.prompt_token_ids + req.output_token_ids
+        tokens = adm.tokens
         assert len(tokens) == units[-1].start + len(units[-1].tokens)
         first_plus = next((i for i, u in enumerate(units) if u.plus or u.source is not None), len(units))
         before = [u.start + p for u in units[:first_plus] for p in u.todo]
@@ -270,15 +269,15 @@ class CacheManager:
             reused = [u.start + p for u in units if u.source is not None for p in range(len(u.tokens))]
             src_slots = [b.id * bs + o for u in sources for b, n in zip(u.blocks, u.n_valid) for o in range(n)]
             src_delta = [u.delta for u in sources for _ in u.tokens]
-            spec = RecomputeSpec(req.policy, reused, src_slots, src_delta)
-        tasks.append(Task(tokens, entries, main_todo, bs, sample=not req.encode_only, main=True, recompute=spec))
+            spec = RecomputeSpec(adm.policy, reused, src_slots, src_delta)
+        tasks.append(Task(tokens, entries, main_todo, bs, sample=not adm.encode_only, main=True, recompute=spec))
         return tasks
 
     @staticmethod
     def entries(units: list[Unit]) -> Table:
         return _table(units)
 
-    def ensure_capacity(self, req: Request) -> bool:
+    def ensure_capacity(self, req: Holding) -> bool:
         """Room in the final unit for every token of the main task (decode growth)."""
         task = req.main
         u = req.units[-1]
@@ -310,7 +309,7 @@ class CacheManager:
         return True
 
     # ---- publication and release ----------------------------------------------------------
-    def publish(self, req: Request, tail: bool = False) -> None:
+    def publish(self, req: Holding, tail: bool = False) -> None:
         """Offer every computed block this request owns to the index. A unit's partial last block
         is keyed by its exact tokens once nothing will be appended to it, or with `tail` (the
         request is leaving: its generated text becomes a reusable unit)."""
@@ -342,7 +341,7 @@ class CacheManager:
                     self.pool.register(u.blocks[i], hashing.block_key(parent, toks), toks, parent=parent)
             u.fresh = keep
 
-    def snapshot_prompt_tail(self, req: Request) -> None:
+    def snapshot_prompt_tail(self, req: Holding) -> None:
         """Called once the prompt is fully computed, before generation writes into its last
         block: cache a copy of that partial block under its exact tokens, so the same prompt
         again (a retry, n > 1, a judge asked twice) finds all of it. One block copy per request."""
@@ -374,7 +373,7 @@ class CacheManager:
         hashing.remember_chain(u.seed, arr, bs, u.keys)
         self.pool.remember_chain(u.keys, u.tokens, bs, arr.tobytes(), u.blocks)
 
-    def release(self, req: Request) -> None:
+    def release(self, req: Holding) -> None:
         """Publish what the request computed, then drop its references; its blocks stay cached."""
         if req.tasks:
             self.publish(req, tail=True)

@@ -26,7 +26,7 @@ class KVStorage:
     def copy_rotated(self, src: list[int], dst: list[int], delta: int, rotary) -> None:
         """Eager repositioning: copy whole blocks src -> dst, turning K's rotation by `delta`
         (RoPE composes, so a key stored at local position p then reads as p + delta)."""
-        from spanserve.model.layers import apply_rotary
+        from spanserve.rope import apply_rotary
 
         s, d = torch.tensor(src, device=self.k.device), torch.tensor(dst, device=self.k.device)
         k = self.k[:, s]  # [L, n, bs, KVH, D]

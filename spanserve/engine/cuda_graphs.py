@@ -4,7 +4,7 @@ step (a judge's question over its cached candidates) is the same. A step whose r
 decodes is sent, in one host-to-device copy, into fixed-address buffers (the backend's static
 layout) and replays the graph captured for its batch size (`DecodeGraphs`); any other short step
 without recomputation does the same with buffers and graphs per padded shape (`StepGraphs`);
-anything else runs eagerly."""
+anything else runs eagerly. Which one a step takes: `attention/paths.py`."""
 from __future__ import annotations
 
 from collections import deque
@@ -42,16 +42,10 @@ class DecodeGraphs:
         self.replays = 0  # steps served by a graph (or the fixed-buffer path)
         self.capacity = 1 << 14  # initial keys per batch size's buffers (they grow by doubling)
 
-    def accepts(self, rows: DecodeRows) -> bool:
-        """Whether `run` serves this step (else it runs eagerly)."""
-        return 0 < len(rows) <= self.max_batch
-
-    def run(self, rows: DecodeRows) -> torch.Tensor | None:
-        """Hidden states [B, hidden] of a decode-only step, or None when its batch has no graph
-        (run it eagerly)."""
+    def run(self, rows: DecodeRows) -> torch.Tensor:
+        """Hidden states [B, hidden] of a decode-only step of 1..max_batch rows (the runner's
+        `attention.paths.step_path` sends only those here)."""
         B = len(rows)
-        if not self.accepts(rows):
-            return None
         buf = self.buffers.get(B)
         if buf is None:
             static = self.backend.static_decode(B, self.model.rotary.inv_freq, self.model.device, self.capacity,
@@ -131,11 +125,10 @@ class StepGraphs:
         self.replays = 0
         self.captured: deque[Any] = deque(maxlen=64)  # the latest captures' shapes (a log for benchmarks)
 
-    def run(self, hp: HostPlan) -> torch.Tensor | None:
-        """Hidden states [padded T, hidden] (rows past the step's T are padding), or None when the
-        step is too long for a graph (run it eagerly)."""
-        if len(hp.ids) > self.max_tokens:
-            return None
+    def run(self, hp: HostPlan) -> torch.Tensor:
+        """Hidden states [padded T, hidden] (rows past the step's T are padding) of a step of up to
+        `max_tokens` tokens, nothing recomputed (the runner's `attention.paths.step_path` sends only
+        those here)."""
         shape, lay, dev, moved = self.static.load(hp)
         if moved:  # graphs of this bucket read the old buffers
             for key in [k for k in self.graphs if k.buffers == shape.buffers]:

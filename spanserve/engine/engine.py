@@ -217,7 +217,7 @@ class LLMEngine:
             if req.finished:
                 outputs.append(self._finish_output(req))
                 continue
-            self.manager.publish(req)
+            self.manager.publish(req.kv)
             outputs.append(self._output(req))
         return outputs
 
@@ -225,7 +225,7 @@ class LLMEngine:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         if not req.output_token_ids:
-            self.manager.snapshot_prompt_tail(req)
+            self.manager.snapshot_prompt_tail(req.kv)
         req.output_token_ids.append(tok)
         req.logprobs.append(lp)
         main = req.main
@@ -274,7 +274,7 @@ class LLMEngine:
                                 encode_only=True)
 
     def _pin(self, req: Request) -> None:
-        self.manager.publish(req, tail=True)
+        self.manager.publish(req.kv, tail=True)
         for u, p in zip(req.units, req.pieces):
             name = p.key if p.key is not None else self._detok(list(p.tokens))
             for b in u.blocks:

@@ -9,6 +9,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from spanserve.cache.claim import Piece
+
 KINDS = ("cross", "plus")
 ANCHORS = ("none", "prefix")
 
@@ -31,26 +33,6 @@ class Segment:
                              "(an anchor is the leading cross segments, never arbitrary text)")
         if self.kind == "cross" and self.anchor != "none":
             raise ValueError("anchor applies to plus segments only; drop anchor= from the cross segment")
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A resolved segment: its tokens sit at logical positions [start, start + len(tokens));
-    a plus piece is encoded at local positions [anchor_len, anchor_len + len) after the first
-    anchor_len tokens of the prompt."""
-
-    kind: str
-    tokens: tuple[int, ...]
-    start: int
-    anchor_len: int = 0
-    key: str | None = None
-    # the tokens as int32 little-endian bytes, when resolve had them (validation packs them
-    # anyway): hashing and the pool's chain memo reuse them instead of converting again
-    packed: bytes | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
 
 
 Checked = tuple[Sequence[int], "bytes | None"]  # (ids as exact ints, the same as int32 LE bytes)

@@ -1,4 +1,4 @@
-"""A request and the work still owed on it."""
+"""A request: its prompt, layout, sampling parameters, output so far, and what it holds in the cache."""
 from __future__ import annotations
 
 import enum
@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from spanserve.cache.block_pool import Block
-from spanserve.cache.table import Entry, Table, delta_array, slot_array
+from spanserve.cache.claim import Admission, Holding, Piece, Task
+from spanserve.cache.manager import Unit
 from spanserve.engine.detokenize import IncrementalText
-from spanserve.engine.layout import Piece
 from spanserve.engine.sampling import SamplingParams, TokenLogprobs
 
 
@@ -19,46 +19,6 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class Task:
-    """Positions still to compute over one key table (one attention row).
-
-    The main task is the request's own sequence in logical positions; a standalone segment being
-    encoded is a task of its own in local positions. `todo` is sorted and consumed from the front,
-    so everything before todo[0] already has KV: perforated holes are just gaps in `todo`."""
-
-    tokens: list[int]
-    entries: "list[Entry] | Table"  # the cache manager passes a Table (columns, built in bulk)
-    todo: list[int]
-    block_size: int
-    sample: bool = False  # sample from the logits of the last position of `tokens`
-    main: bool = False  # a task on the request's own (main) row
-    recompute: Any = None  # reuse.recompute.RecomputeSpec: a policy recomputes reused tokens
-    anchor_end: int | None = None  # plus-segment mask form; None = causal
-    seg_start: int | None = None
-    _slots: Any = field(default=None, repr=False)
-    _deltas: Any = field(default=False, repr=False)  # False: not computed yet (None is a value)
-
-    @property
-    def slots(self) -> Any:
-        """numpy int64 array: the flat slot of every position of this task's row."""
-        if self._slots is None:
-            self._slots = slot_array(self.entries, self.block_size)
-        return self._slots
-
-    @property
-    def deltas(self) -> Any:
-        """numpy int64 array: every key's delta, or None when all are zero."""
-        if self._deltas is False:
-            self._deltas = delta_array(self.entries)
-        return self._deltas
-
-    def set_entries(self, entries: "list[Entry] | Table") -> None:
-        self.entries = entries
-        self._slots = None
-        self._deltas = False
 
 
 @dataclass
@@ -80,14 +40,22 @@ class Request:
     text: str = ""
     detok: IncrementalText | None = None  # the engine's incremental decoding of the output
     first_token_time: float | None = None
-    # cache state, owned by the cache manager while the request holds blocks
-    tasks: list[Task] = field(default_factory=list)
-    units: list[Any] = field(default_factory=list)  # cache.manager.Unit, owned by the cache manager
-    sources: list[Any] = field(default_factory=list)  # shared segment units a policy recomputes from
+    # what the request holds in the cache, owned by the cache manager while the request is admitted
+    kv: Holding = field(default_factory=Holding)
     recompute_stats: dict[str, int] = field(default_factory=dict)
-    held: list[Block] = field(default_factory=list)
+    # how the prompt was first served (a resumed request keeps reporting its first admission)
     reuse: dict[str, int] = field(default_factory=lambda: {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0})
     num_preemptions: int = 0
+
+    def admission(self) -> Admission:
+        """The request as the cache manager admits it."""
+        return Admission(self.current_pieces(), self.all_token_ids, self.namespace, self.policy, self.encode_only)
+
+    def hold(self, kv: Holding) -> None:
+        """Carry what admission gave."""
+        self.kv = kv
+        if self.num_preemptions == 0:
+            self.reuse = kv.reuse
 
     def current_pieces(self) -> list[Piece]:
         """The layout as it stands: generated tokens extend the final cross piece (a preempted
@@ -107,8 +75,24 @@ class Request:
         return self.status is Status.FINISHED
 
     @property
+    def tasks(self) -> list[Task]:
+        return self.kv.tasks
+
+    @property
+    def units(self) -> list[Unit]:
+        return self.kv.units
+
+    @property
+    def sources(self) -> list[Unit]:
+        return self.kv.sources
+
+    @property
+    def held(self) -> list[Block]:
+        return self.kv.held
+
+    @property
     def main(self) -> Task:
-        return self.tasks[-1]
+        return self.kv.main
 
     @property
     def num_cached_tokens(self) -> int:

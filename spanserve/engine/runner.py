@@ -9,6 +9,7 @@ import torch
 from spanserve.attention.backend import AttentionBackend
 from spanserve.attention.decode import DecodeRows
 from spanserve.attention.host_plan import HostPlan
+from spanserve.attention.paths import GraphLimits, StepPath, StepShape, step_path
 from spanserve.attention.plan import AttentionPlan, HostRow, Row
 from spanserve.cache.storage import KVStorage
 from spanserve.engine.cuda_graphs import DecodeGraphs, StepGraphs
@@ -88,10 +89,11 @@ def decode_rows(chunks: list[Chunk]) -> tuple[DecodeRows, list[int]] | None:
 
 @dataclass
 class StepInput:
-    """One step as host data: a decode-only step's rows (for the decode graphs) or the general
-    plan, the selective rows (chunk index, spec, per-token reused flags), and sample_at."""
+    """One step as host data: its path, a decode-only step's rows (for the decode graphs) or the
+    general plan, the selective rows (chunk index, spec, per-token reused flags), and sample_at."""
 
     sample_at: list[int]
+    path: StepPath
     decode: DecodeRows | None = None
     host: HostPlan | None = None
     recompute: list[tuple[int, RecomputeSpec, list[bool]]] = field(default_factory=list)
@@ -130,37 +132,43 @@ class ModelRunner:
             ))
         return out
 
+    def _path(self, chunks: list[Chunk], decode_only: bool) -> StepPath:
+        limits = None
+        if self.graphs is not None and self.step_graphs is not None:
+            limits = GraphLimits(self.graphs.max_batch, self.step_graphs.max_tokens)
+        shape = StepShape(len(chunks), sum(len(c.positions) for c in chunks), decode_only,
+                          any(c.recompute is not None for c in chunks))
+        return step_path(shape, limits)
+
     def prepare(self, chunks: list[Chunk]) -> "StepInput":
-        """The step as host data only: what `execute` runs (on this process or, under tensor
-        parallelism, on every rank)."""
-        if self.graphs is not None:
-            # Decode-only steps skip the general plan: their fixed buffers are filled from host
-            # arrays in one copy (on a GPU the host work is what the step waits for).
-            dec = decode_rows(chunks)
-            if dec is not None and self.graphs.accepts(dec[0]):
-                return StepInput(dec[1], decode=dec[0])
+        """The step as host data only, its path decided: what `execute` runs (on this process
+        or, under tensor parallelism, on every rank)."""
+        # Decode-only steps skip the general plan: their fixed buffers are filled from host
+        # arrays in one copy (on a GPU the host work is what the step waits for).
+        dec = decode_rows(chunks) if self.graphs is not None else None
+        path = self._path(chunks, dec is not None)
+        if path is StepPath.DECODE_GRAPH:
+            assert dec is not None
+            return StepInput(dec[1], path, decode=dec[0])
         hp, sample_at = host_plan(chunks)
         recompute = []
         for r, c in enumerate(chunks):
             if c.recompute is not None:
                 reused = set(c.recompute.reused)
                 recompute.append((r, c.recompute, [p in reused for p in c.positions]))
-        return StepInput(sample_at, host=hp, recompute=recompute)
+        return StepInput(sample_at, path, host=hp, recompute=recompute)
 
     @torch.inference_mode()
     def execute(self, step: "StepInput") -> tuple[torch.Tensor, list[RecomputeRow]]:
         """Hidden states of the step's tokens, and its selective rows (with their stats)."""
-        if step.decode is not None:
-            assert self.graphs is not None
-            hidden = self.graphs.run(step.decode)
-            assert hidden is not None
-            return hidden, []
+        if step.path is StepPath.DECODE_GRAPH:
+            assert self.graphs is not None and step.decode is not None
+            return self.graphs.run(step.decode), []
         hp = step.host
         assert hp is not None
-        if self.step_graphs is not None and not step.recompute:
-            hidden = self.step_graphs.run(hp)
-            if hidden is not None:
-                return hidden, []
+        if step.path is StepPath.STEP_GRAPH:
+            assert self.step_graphs is not None
+            return self.step_graphs.run(hp), []
         ids, plan = device_plan(hp, self.model.device)
         rows = self._recompute_rows(step, plan)
         hooks = Recompute(rows, ids.numel(), self.model.rotary, self.storage.block_size,

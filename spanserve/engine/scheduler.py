@@ -5,8 +5,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from spanserve.cache.claim import Task
 from spanserve.cache.manager import CacheManager
-from spanserve.engine.request import Request, Status, Task
+from spanserve.engine.request import Request, Status
 
 
 @dataclass
@@ -45,7 +46,7 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this pass
-            while not self.manager.ensure_capacity(req):
+            while not self.manager.ensure_capacity(req.kv):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is req:
@@ -54,13 +55,21 @@ class Scheduler:
                 budget -= self._take(req, budget, out)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if not self.manager.admit(req):
+            if not self.admit(req):
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
             budget -= self._take(req, budget, out)
         return out
+
+    def admit(self, req: Request) -> bool:
+        """Admit a waiting request into the cache; False (nothing changed) when it does not fit."""
+        kv = self.manager.admit(req.admission())
+        if kv is None:
+            return False
+        req.hold(kv)
+        return True
 
     def _take(self, req: Request, budget: int, out: Schedule) -> int:
         used = 0
@@ -83,7 +92,7 @@ class Scheduler:
         return used
 
     def _preempt(self, req: Request, out: Schedule) -> None:
-        self.manager.release(req)
+        self.manager.release(req.kv)
         self.running.remove(req)
         req.status = Status.WAITING
         req.num_preemptions += 1
@@ -95,5 +104,5 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.manager.release(req)
+        self.manager.release(req.kv)
         req.status = Status.FINISHED

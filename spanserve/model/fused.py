@@ -1,5 +1,6 @@
 """Fused Triton kernels for the Llama elementwise ops: each is a drop-in for the eager op in
-spanserve.model.layers / llama.py that reads every input once and writes every output once.
+spanserve.model.layers, spanserve.rope or llama.py that reads every input once and writes every
+output once.
 
 All math is float32; results are rounded to the storage dtype only where the eager op rounds too
 (rms_norm) or once at the end (the rest). Row strides are free so that views of the fused qkv and
@@ -157,7 +158,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """layers.apply_rotary; x [T, heads, D] (free T/head strides), cos/sin [T, D]. Contiguous out."""
+    """rope.apply_rotary; x [T, heads, D] (free T/head strides), cos/sin [T, D]. Contiguous out."""
     if x.dim() != 3:
         raise ValueError(f"x must be [T, heads, head_dim], got shape {tuple(x.shape)}")
     T, H, D = x.shape

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from spanserve.attention.backend import AttentionBackend
 from spanserve.attention.plan import AttentionPlan
 from spanserve.model.config import ModelConfig
-from spanserve.model.layers import Rotary, apply_rotary, rms_norm
+from spanserve.model.layers import rms_norm
+from spanserve.rope import Rotary, apply_rotary
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from spanserve.model.layers import Rotary, apply_rotary
+from spanserve.rope import Rotary, apply_rotary
 from spanserve.reuse.policies import CacheBlend, Policy, SparseQ
 
 

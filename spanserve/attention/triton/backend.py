@@ -1,5 +1,7 @@
-"""TritonBackend: the CUDA attention backend, plus the launch wrappers for the KV write and the
-eager copy-and-rotate used to compare repositioning with deferred rotation."""
+"""TritonBackend, used by every step on CUDA: it launches the kernels a step's description asks for
+(eager steps from Python, graph steps at capture), makes the fixed-address layouts of decode and
+step graphs, and wraps the KV write and the eager copy-and-rotate used to compare repositioning
+with deferred rotation. Which path a step and each of its rows take: `attention/paths.py`."""
 from __future__ import annotations
 
 import math
@@ -14,10 +16,10 @@ from spanserve.attention.plan import AttentionPlan
 from spanserve.attention.triton.dense import attend_dense
 from spanserve.attention.triton.kernels import (attention_kernel, combine_kernel, kv_write_kernel, reposition_kernel,
                                                 rotate_keys_kernel)
-from spanserve.attention.triton.layout import NUM_FIELDS, Launch, Prerotation, SplitPolicy, StepLayout, build_layout
-from spanserve.attention.triton.static import StaticDecode
-from spanserve.attention.triton.static_step import StaticSteps
-from spanserve.model.layers import Rotary
+from spanserve.attention.triton.graph_decode import StaticDecode
+from spanserve.attention.triton.graph_step import StaticSteps
+from spanserve.attention.triton.launch import NUM_FIELDS, Launch, Prerotation, SplitPolicy, StepLayout, build_layout
+from spanserve.rope import Rotary
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class LaunchConfig:
     num_stages: int
 
 
-# Hopper defaults for head_dim 128 (H100: benchmarks/attention_kernels.py, docs/gpu_notes.md):
+# Hopper defaults for head_dim 128 (H100: benchmarks/attention_kernels.py, docs/gpu.md):
 # prefill tiles are compute-bound (wide M), decode tiles only have G useful rows, so they stay at
 # the 16-row minimum of a tensor-core dot.
 PREFILL = LaunchConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)

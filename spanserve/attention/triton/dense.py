@@ -1,4 +1,4 @@
-"""Fresh prompt rows through torch's fused attention.
+"""Fresh prompt rows of eager steps through torch's fused attention (cuDNN first).
 
 A row that sees exactly its own keys, causally from position 0 and unrotated (the prefill of a
 prompt with nothing cached), is plain causal self-attention: nothing about it needs the paged,

@@ -1,5 +1,6 @@
-"""Triton kernels: paged attention with deferred rotation, the per-layer prerotation of a prefill
-launch's keys, the KV write, and eager repositioning.
+"""Triton kernels, used by every step on CUDA (eager or replayed from a graph): paged attention
+with deferred rotation and the combine pass of split launches, the per-layer prerotation of a
+prefill launch's keys, the KV write, and eager repositioning.
 
 Conventions shared by all of them: a layer's cache is addressed as flat slots
 [num_blocks * block_size, KVH, D] with the (KVH, D) part contiguous; RoPE is the rotate-half form,
@@ -12,19 +13,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spanserve.attention.triton import layout
+from spanserve.attention.triton import launch
 
 # Jitted code may only read globals wrapped as constexpr.
-F_TOK0 = tl.constexpr(layout.F_TOK0)
-F_TOK1 = tl.constexpr(layout.F_TOK1)
-F_KEY_BASE = tl.constexpr(layout.F_KEY_BASE)
-F_PART0 = tl.constexpr(layout.F_PART0)
-F_MIN_ANCHOR = tl.constexpr(layout.F_MIN_ANCHOR)
-F_MAX_SEG = tl.constexpr(layout.F_MAX_SEG)
-F_MIN_T = tl.constexpr(layout.F_MIN_T)
-F_SPLIT = tl.constexpr(layout.F_SPLIT)
-F_LOC0 = tl.constexpr(layout.F_LOC0)
-F_SCRATCH_BASE = tl.constexpr(layout.F_SCRATCH_BASE)
+F_TOK0 = tl.constexpr(launch.F_TOK0)
+F_TOK1 = tl.constexpr(launch.F_TOK1)
+F_KEY_BASE = tl.constexpr(launch.F_KEY_BASE)
+F_PART0 = tl.constexpr(launch.F_PART0)
+F_MIN_ANCHOR = tl.constexpr(launch.F_MIN_ANCHOR)
+F_MAX_SEG = tl.constexpr(launch.F_MAX_SEG)
+F_MIN_T = tl.constexpr(launch.F_MIN_T)
+F_SPLIT = tl.constexpr(launch.F_SPLIT)
+F_LOC0 = tl.constexpr(launch.F_LOC0)
+F_SCRATCH_BASE = tl.constexpr(launch.F_SCRATCH_BASE)
 
 
 @triton.jit

@@ -1,26 +1,25 @@
-"""Decode-only steps straight from host arrays into one packed buffer.
+"""Launch description of decode-only steps, used by decode graphs: written with numpy straight
+from host arrays into a packed host buffer.
 
-A step whose rows are all single-query causal decodes needs none of the general layout machinery
-(`build_layout` + `_describe`, per-row device tensors): each row's descriptor and tiles follow from
-its position, slot list and per-key deltas. They are written here with numpy into a host buffer
-laid out byte for byte like the device buffer a captured graph reads, so the whole step input is
-one host-to-device copy. The contents equal what `build_layout` + `_describe` give for the same
-rows (tests/test_decode_graphs.py checks it): spans of equal delta, tiles of at most BLOCK_N keys
-that never cross a span, longest programs first.
+A step whose rows are all single-query causal decodes needs none of the general description
+(`launch.build_layout` + `launch._describe`, per-row device tensors): each row's descriptor and
+tiles follow from its position, slot list and per-key deltas. They are written here into a host
+buffer laid out byte for byte like the device buffer a captured graph reads (`graph_decode`), so
+the whole step input is one host-to-device copy. The contents equal what the general description
+gives for the same rows (tests/test_decode_graphs.py checks it): spans of equal delta, tiles of at
+most BLOCK_N keys that never cross a span, longest programs first.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-import torch
 
 from spanserve.attention.decode import DecodeRows
-from spanserve.attention.triton.layout import (F_KEY_BASE, F_LOC0, F_MIN_T, F_PART0, F_TOK0, F_TOK1,
-                                               NUM_FIELDS, shares_in_order)
-
-_ALIGN = 64  # bytes between region starts: Triton specializes kernels on 16-byte-aligned pointers
+from spanserve.attention.triton.launch import (F_KEY_BASE, F_LOC0, F_MIN_T, F_PART0, F_TOK0, F_TOK1, NUM_FIELDS,
+                                               shares_in_order)
 
 
 @dataclass
@@ -86,82 +85,10 @@ def descriptors(spans: DecodeSpans, pos: list[int], ways: int = 1) -> list[list[
     return out
 
 
-Offsets = dict[str, tuple[int, torch.dtype, tuple[int, ...]]]
-
-
-def pack_offsets(fields: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> Offsets:
-    """Byte offset of each (name, dtype, shape) region laid out in order, each aligned."""
-    out: Offsets = {}
-    off = 0
-    for name, dt, shape in fields:
-        out[name] = (off, dt, shape)
-        off += -(-int(np.prod(shape)) * dt.itemsize // _ALIGN) * _ALIGN
-    return out
-
-
-def grown(cap: int, need: int, lo: int) -> int:
-    """A buffer capacity of at least `need`: `cap` (at least `lo`) doubled as often as needed."""
-    cap = max(cap, lo)
-    while cap < need:
-        cap *= 2
-    return cap
-
-
-def carve(buf: torch.Tensor, offsets: Offsets) -> dict[str, torch.Tensor]:
-    """Typed views of a uint8 buffer laid out by `pack_offsets`."""
-    return {name: buf[off:off + int(np.prod(shape)) * dt.itemsize].view(dt).view(shape)
-            for name, (off, dt, shape) in offsets.items()}
-
-
-class Regions:
-    """Byte offsets of the packed step input; the device staging buffer and the host buffers that
-    fill it share this layout. Fixed-size fields first, then the tiles, then the key slots, so a
-    step copies one prefix (whole tile arrays, only the keys in use)."""
-
-    def __init__(self, batch: int, key_cap: int, tile_cap: int, max_ways: int = 1):
-        self.batch, self.key_cap, self.tile_cap = batch, key_cap, tile_cap
-        B, T, i64, i32 = batch, tile_cap, torch.int64, torch.int32
-        self.offsets = pack_offsets([
-            ("ids", i64, (B,)), ("positions", i64, (B,)), ("write_slots", i64, (B,)),
-            ("q_pos", i32, (B,)), ("zeros", i32, (B,)), ("desc", i32, (B * max_ways, NUM_FIELDS)),
-            ("tile_start", i32, (T,)), ("tile_end", i32, (T,)), ("tile_delta", i32, (T,)),
-            ("key_slots", i32, (key_cap,))])
-        self.keys_offset = self.offsets["key_slots"][0]
-        self.nbytes = self.keys_offset + 4 * key_cap
-
-    def used_bytes(self, n_keys: int) -> int:
-        return self.keys_offset + 4 * n_keys
-
-
-@dataclass
-class Packed:
-    """Typed views of one packed buffer (uint8 [nbytes]): the tensors a graph reads, or on the
-    host the arrays a step writes (`numpy()` of a CPU buffer)."""
-
-    buf: torch.Tensor
-    ids: torch.Tensor
-    positions: torch.Tensor
-    write_slots: torch.Tensor
-    q_pos: torch.Tensor
-    zeros: torch.Tensor  # anchor and seg of every row: decode rows are causal
-    desc: torch.Tensor
-    tile_start: torch.Tensor
-    tile_end: torch.Tensor
-    tile_delta: torch.Tensor
-    key_slots: torch.Tensor
-
-    @classmethod
-    def carve(cls, buf: torch.Tensor, regions: Regions) -> "Packed":
-        return cls(buf=buf, **carve(buf, regions.offsets))
-
-    @classmethod
-    def allocate(cls, regions: Regions, device: torch.device, pin: bool = False) -> "Packed":
-        return cls.carve(torch.zeros(regions.nbytes, dtype=torch.uint8, device=device, pin_memory=pin), regions)
-
-
 @dataclass
 class HostArrays:
-    """numpy views of a host Packed buffer (writing through numpy costs no torch dispatch)."""
+    """numpy views of a host buffer (`graph_decode.Packed`): writing through numpy costs no torch
+    dispatch."""
 
     ids: np.ndarray
     positions: np.ndarray
@@ -174,7 +101,7 @@ class HostArrays:
     key_slots: np.ndarray
 
     @classmethod
-    def of(cls, p: Packed) -> "HostArrays":
+    def of(cls, p: Any) -> "HostArrays":
         return cls(**{f: getattr(p, f).numpy() for f in cls.__dataclass_fields__})
 
 

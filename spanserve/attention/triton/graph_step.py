@@ -1,8 +1,9 @@
-"""Fixed-address layouts for short general steps (prefill chunks, plus rows, decodes, any mix), so
-a step of a few dozen tokens can replay a CUDA graph instead of ~400 launches from Python.
+"""Step graphs: padded shapes and fixed-address buffers of short general steps (prefill chunks,
+plus rows, decodes, any mix, nothing recomputed), so a step of a few dozen tokens replays a CUDA
+graph (`engine/cuda_graphs.StepGraphs`) instead of ~400 launches from Python.
 
 A short step over a long cached context (a judge over its candidates, a warm RAG question) runs
-~10 ms of kernels but issues them in ~17 ms of host time (docs/gpu_notes.md). A graph fixes the
+~10 ms of kernels but issues them in ~17 ms of host time (docs/gpu.md). A graph fixes the
 grid of every launch and the address of every buffer, so here everything whose *size* varies is
 padded to a bucket and only *contents* change between steps:
 
@@ -31,8 +32,9 @@ import numpy as np
 import torch
 
 from spanserve.attention.host_plan import HostPlan
-from spanserve.attention.triton.decode_layout import carve, grown, pack_offsets
-from spanserve.attention.triton.layout import (F_PART0, NUM_FIELDS, HostLaunch, Launch, Prerotation, SplitPolicy,
+from spanserve.attention.paths import RowPath, row_path
+from spanserve.attention.triton.graph_buffers import carve, grown, pack_offsets
+from spanserve.attention.triton.launch import (F_PART0, NUM_FIELDS, HostLaunch, Launch, Prerotation, SplitPolicy,
                                                StepLayout, _describe_host, _RowHost, decode_split, empty_launch,
                                                host_rows)
 
@@ -118,8 +120,9 @@ class StaticSteps:
         """The layout's rows, the step's two launches on the host, as the general path would cut
         them (but for the number of split shares), and whether some row has the plus form."""
         rows = host_rows(plan.rows)
-        small = [r for r in rows if r.q_end - r.q_start <= self.small_q]
-        big = [r for r in rows if r.q_end - r.q_start > self.small_q]
+        paths = [row_path(r.q_end - r.q_start, False, self.small_q, 0) for r in rows]  # no dense rows
+        small = [r for r, p in zip(rows, paths) if p is RowPath.DECODE_LAUNCH]
+        big = [r for r, p in zip(rows, paths) if p is RowPath.PREFILL_LAUNCH]
         pre = self.prerotate and any(r.span_delta.any() for r in big)
         hs = _describe_host(small, self.small_q, self.small_n, False, self.small_split) if small else None
         hb = _describe_host(big, self.big_q, self.big_n, pre, self.split, fixed_ways=True) if big else None

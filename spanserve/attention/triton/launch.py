@@ -1,4 +1,5 @@
-"""Host-side preparation for the Triton kernels: turn an AttentionPlan into flat device arrays.
+"""Launch description of general steps, used by eager steps (prefill, mixed, decode) and, on the
+host, by step graphs (`graph_step`): a step's plan turned into the flat arrays the kernels read.
 
 The kernels never see per-key deltas. A row's keys are cut into *spans*, maximal runs of equal
 delta. Keys are gathered through a per-key slot list, which makes partial entries in the middle of
@@ -16,7 +17,7 @@ A launch with too few programs to fill the GPU (a short chunk over a long contex
 over long contexts) is *split*: each query block's tiles are shared among several programs that
 write partial outputs and their log-sum-exp, merged afterwards by a combine pass. For decodes this
 also hides the fused rotation: at one program per SM a rotating decode loop costs +6.5% over a
-plain one (16 rows x 16k keys, H100), at two or more per SM +0.4% (docs/gpu_notes.md, session 5).
+plain one (16 rows x 16k keys, H100), at two or more per SM +0.4% (docs/gpu.md).
 
 Each program owns up to BLOCK_Q query tokens of one row and one KV head. Its descriptor carries
 the tile ranges it must visit, computed here once per step (not once per layer). The visible set
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from spanserve.attention.paths import RowPath, row_path
 from spanserve.attention.plan import AttentionPlan, HostRow
 
 # Descriptor fields (int32, one row per program); the kernel reads them by these offsets.
@@ -109,8 +111,9 @@ class StepLayout:
             return self.fixed
         key = (small_q, small_n, big_q, big_n, prerotate_big, split, dense_min)
         if key not in self._launches:
-            small = [r for r in self.rows if r.q_end - r.q_start <= small_q]
-            big = [r for r in self.rows if r.q_end - r.q_start > small_q and not _fresh(r, dense_min)]
+            paths = [_row_path(r, small_q, dense_min) for r in self.rows]
+            small = [r for r, p in zip(self.rows, paths) if p is RowPath.DECODE_LAUNCH]
+            big = [r for r, p in zip(self.rows, paths) if p is RowPath.PREFILL_LAUNCH]
             pre = prerotate_big if self.has_delta else False
             self._launches[key] = (_describe(small, small_q, small_n, self, False, decode_split(split)),
                                    _describe(big, big_q, big_n, self, pre, split))
@@ -118,18 +121,25 @@ class StepLayout:
 
     def dense_rows(self, min_q: int) -> list[_RowHost]:
         """Rows of at least `min_q` queries that see exactly their own keys, causally from position
-        0, unrotated: a fresh prompt's prefill, which a dense attention kernel can take as is.
-        Asked once per layer: kept with the launches."""
+        0, unrotated: a fresh prompt's prefill, which a dense attention kernel can take as is
+        (`paths.row_path`). Asked once per layer: kept with the launches."""
         if not min_q or self.fixed is not None:
             return []
         if min_q not in self._dense:
-            self._dense[min_q] = [r for r in self.rows if _fresh(r, min_q)]
+            # a dense row has more queries than any decode program holds
+            self._dense[min_q] = [r for r in self.rows if _row_path(r, 0, min_q) is RowPath.DENSE]
         return self._dense[min_q]
 
 
-def _fresh(r: _RowHost, min_q: int) -> bool:
+def _row_path(r: _RowHost, small_q: int, dense_min: int) -> RowPath:
     nq = r.q_end - r.q_start
-    return (0 < min_q <= nq and r.n_keys == nq and len(r.span_delta) == 1 and r.span_delta[0] == 0
+    return row_path(nq, bool(dense_min) and _fresh(r), small_q, dense_min)
+
+
+def _fresh(r: _RowHost) -> bool:
+    """The row sees exactly its own keys, causally from position 0, unrotated."""
+    nq = r.q_end - r.q_start
+    return (r.n_keys == nq and len(r.span_delta) == 1 and r.span_delta[0] == 0
             and bool((r.q_pos == np.arange(nq)).all()) and not r.anchor.any() and not r.seg.any())
 
 

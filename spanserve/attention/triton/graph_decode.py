@@ -1,22 +1,72 @@
-"""Fixed-address decode layouts, so a decode step can be captured once as a CUDA graph and replayed.
+"""Decode graphs: fixed-address buffers of decode-only steps, one set per batch size, so a decode
+step is captured once as a CUDA graph and replayed (`engine/cuda_graphs.DecodeGraphs`).
 
 A graph replays kernel launches with the pointers and grid sizes seen at capture. Per step only the
 *contents* of the layout change (ids, slots, positions, tile ranges), so each batch size gets one
 device staging buffer whose views are the fixed-address tensors the graph reads; the grid is one
-program per decode row, which a batch size fixes. A step packs its contents on the host
-(`decode_layout`) into a pinned buffer laid out like the staging buffer and sends them in one
-non-blocking copy: no per-row device tensors, no device-to-device copies. Capacity for keys and
-tiles grows by doubling; a growth moves the buffers, and the caller must capture again (`load`
+program per decode row (times the split ways), which a batch size fixes. A step packs its contents
+on the host (`decode_launch`) into a pinned buffer laid out like the staging buffer and sends them
+in one non-blocking copy: no per-row device tensors, no device-to-device copies. Capacity for keys
+and tiles grows by doubling; a growth moves the buffers, and the caller must capture again (`load`
 says so).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from spanserve.attention.decode import DecodeRows
-from spanserve.attention.triton.decode_layout import HostArrays, Packed, Regions, decode_spans, grown, write_step
-from spanserve.attention.triton.layout import Launch, SplitPolicy, StepLayout, decode_split, empty_launch
+from spanserve.attention.triton.decode_launch import HostArrays, decode_spans, write_step
+from spanserve.attention.triton.graph_buffers import carve, grown, pack_offsets
+from spanserve.attention.triton.launch import NUM_FIELDS, Launch, SplitPolicy, StepLayout, decode_split, empty_launch
+
+
+class Regions:
+    """Byte offsets of the packed step input; the device staging buffer and the host buffers that
+    fill it share this layout. Fixed-size fields first, then the tiles, then the key slots, so a
+    step copies one prefix (whole tile arrays, only the keys in use)."""
+
+    def __init__(self, batch: int, key_cap: int, tile_cap: int, max_ways: int = 1):
+        self.batch, self.key_cap, self.tile_cap = batch, key_cap, tile_cap
+        B, T, i64, i32 = batch, tile_cap, torch.int64, torch.int32
+        self.offsets = pack_offsets([
+            ("ids", i64, (B,)), ("positions", i64, (B,)), ("write_slots", i64, (B,)),
+            ("q_pos", i32, (B,)), ("zeros", i32, (B,)), ("desc", i32, (B * max_ways, NUM_FIELDS)),
+            ("tile_start", i32, (T,)), ("tile_end", i32, (T,)), ("tile_delta", i32, (T,)),
+            ("key_slots", i32, (key_cap,))])
+        self.keys_offset = self.offsets["key_slots"][0]
+        self.nbytes = self.keys_offset + 4 * key_cap
+
+    def used_bytes(self, n_keys: int) -> int:
+        return self.keys_offset + 4 * n_keys
+
+
+@dataclass
+class Packed:
+    """Typed views of one packed buffer (uint8 [nbytes]): the tensors a graph reads, or on the
+    host the arrays a step writes (`numpy()` of a CPU buffer)."""
+
+    buf: torch.Tensor
+    ids: torch.Tensor
+    positions: torch.Tensor
+    write_slots: torch.Tensor
+    q_pos: torch.Tensor
+    zeros: torch.Tensor  # anchor and seg of every row: decode rows are causal
+    desc: torch.Tensor
+    tile_start: torch.Tensor
+    tile_end: torch.Tensor
+    tile_delta: torch.Tensor
+    key_slots: torch.Tensor
+
+    @classmethod
+    def carve(cls, buf: torch.Tensor, regions: Regions) -> "Packed":
+        return cls(buf=buf, **carve(buf, regions.offsets))
+
+    @classmethod
+    def allocate(cls, regions: Regions, device: torch.device, pin: bool = False) -> "Packed":
+        return cls.carve(torch.zeros(regions.nbytes, dtype=torch.uint8, device=device, pin_memory=pin), regions)
 
 
 class StaticDecode:

@@ -1,0 +1,107 @@
+"""A request as the cache manager sees it, in plain data: what admission is asked for (`Admission`:
+the layout's pieces, tokens, namespace, policy), what the request then holds (`Holding`: blocks,
+units, counts of reused tokens) and the work left on it (`Task`: positions to compute over one key
+table). The engine converts its requests to an Admission and carries the Holding it gets back."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from spanserve.cache.block_pool import Block
+from spanserve.cache.table import Entry, Table, delta_array, slot_array
+
+if TYPE_CHECKING:
+    from spanserve.cache.manager import Unit
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A resolved segment: its tokens sit at logical positions [start, start + len(tokens));
+    a plus piece is encoded at local positions [anchor_len, anchor_len + len) after the first
+    anchor_len tokens of the prompt."""
+
+    kind: str
+    tokens: tuple[int, ...]
+    start: int
+    anchor_len: int = 0
+    key: str | None = None
+    # the tokens as int32 little-endian bytes, when resolve had them (validation packs them
+    # anyway): hashing and the pool's chain memo reuse them instead of converting again
+    packed: bytes | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass
+class Task:
+    """Positions still to compute over one key table (one attention row).
+
+    The main task is the request's own sequence in logical positions; a standalone segment being
+    encoded is a task of its own in local positions. `todo` is sorted and consumed from the front,
+    so everything before todo[0] already has KV: perforated holes are just gaps in `todo`."""
+
+    tokens: list[int]
+    entries: "list[Entry] | Table"  # the cache manager passes a Table (columns, built in bulk)
+    todo: list[int]
+    block_size: int
+    sample: bool = False  # sample from the logits of the last position of `tokens`
+    main: bool = False  # a task on the request's own (main) row
+    recompute: Any = None  # reuse.recompute.RecomputeSpec: a policy recomputes reused tokens
+    anchor_end: int | None = None  # plus-segment mask form; None = causal
+    seg_start: int | None = None
+    _slots: Any = field(default=None, repr=False)
+    _deltas: Any = field(default=False, repr=False)  # False: not computed yet (None is a value)
+
+    @property
+    def slots(self) -> Any:
+        """numpy int64 array: the flat slot of every position of this task's row."""
+        if self._slots is None:
+            self._slots = slot_array(self.entries, self.block_size)
+        return self._slots
+
+    @property
+    def deltas(self) -> Any:
+        """numpy int64 array: every key's delta, or None when all are zero."""
+        if self._deltas is False:
+            self._deltas = delta_array(self.entries)
+        return self._deltas
+
+    def set_entries(self, entries: "list[Entry] | Table") -> None:
+        self.entries = entries
+        self._slots = None
+        self._deltas = False
+
+
+@dataclass
+class Admission:
+    """What admitting a request needs: its layout as it stands (generated tokens extend the final
+    cross piece of a resumed request) and the tokens of all pieces in order."""
+
+    pieces: list[Piece]
+    tokens: list[int]  # taken by the main task, which grows it as tokens are generated
+    namespace: str = ""
+    policy: Any = None  # reuse.policies.Policy; None = pure span semantics
+    encode_only: bool = False  # pin requests: encode the plus units, sample nothing
+
+
+def _no_reuse() -> dict[str, int]:
+    return {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0}
+
+
+@dataclass
+class Holding:
+    """What an admitted request holds, owned by the cache manager until it is released: block
+    references, the units of its layout (and the shared segments a policy recomputes from), its
+    tasks (the main task last) and how its prompt tokens were served."""
+
+    held: list[Block] = field(default_factory=list)
+    units: list[Unit] = field(default_factory=list)
+    sources: list[Unit] = field(default_factory=list)
+    tasks: list[Task] = field(default_factory=list)
+    reuse: dict[str, int] = field(default_factory=_no_reuse)
+
+    @property
+    def main(self) -> Task:
+        return self.tasks[-1]
