@@ -75,8 +75,6 @@ class Run:
 
     def close(self, eng: LLMEngine) -> None:
         eng.shutdown()
-        del eng
-        gc.collect()
         if self.dev == "cuda":
             torch.cuda.empty_cache()
 
@@ -142,6 +140,9 @@ class Run:
         return res
 
 
+VARIANTS = [("TP=1", 1, False), ("TP=2", 2, False), ("TP=2 f32-reduce", 2, True)]
+
+
 def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -151,7 +152,8 @@ def shape_8b(run: Run) -> None:
     cfg = tiny_config() if args.dry else llama3_8b_config()
     blocks = (args.prefill + max(args.batches) * (args.context + args.decode_steps + 16)) // 16 + 512
     kw = dict(num_blocks=blocks, max_num_batched_tokens=args.prefill + 16, max_num_seqs=max(args.batches))
-    variants = [("TP=1", 1, False), ("TP=2", 2, False), ("TP=2 f32-reduce", 2, True)]
+    variants = [v for v in VARIANTS if v[0] in ["TP=1"] + [{"tp2": "TP=2", "tp2f32": "TP=2 f32-reduce"}[x]
+                                                           for x in args.variants]]
     tokens: dict[str, list[list[int]]] = {}
     res: dict[str, dict[str, float]] = {}
     for name, tp, f32 in variants:
@@ -159,6 +161,10 @@ def shape_8b(run: Run) -> None:
         tokens[name] = run.greedy(eng, cfg.vocab_size)
         res[name] = {} if args.skip_timing else run.timings(eng, cfg.vocab_size)
         run.close(eng)
+        del eng  # gone before the next engine loads
+        gc.collect()
+        if run.dev == "cuda":
+            torch.cuda.empty_cache()
     rows = []
     for name, _, _ in variants[1:]:
         same = [first_difference(a, b) for a, b in zip(tokens[name], tokens["TP=1"])]
@@ -176,7 +182,7 @@ def shape_8b(run: Run) -> None:
             row = [label] + [f"{fmt(res[n][key]):.2f}" for n, _, _ in variants]
             row += [f"{res[n][key] / base[key]:.3f}x time" for n, _, _ in variants[1:]]
             table.append(row)
-        print(format_table(["", *[n for n, _, _ in variants], "TP=2 / TP=1", "TP=2 f32 / TP=1"], table))
+        print(format_table(["", *[n for n, _, _ in variants], *[f"{n} / TP=1" for n, _, _ in variants[1:]]], table))
     write_json("tp_gpu_dry.json" if args.dry else "tp_gpu.json", {
         "benchmark": "tp_gpu", "shape": cfg.name, "args": vars(args), "timings_s": res, "greedy_tokens": tokens,
         "checks": [list(map(str, r)) for r in rows], "table": table,
@@ -239,6 +245,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--float32-reduce", action="store_true", help="70B: row-parallel sums in float32")
     ap.add_argument("--no-graphs", action="store_true", help="every step eager (no CUDA graphs)")
+    ap.add_argument("--variants", nargs="+", choices=["tp2", "tp2f32"], default=["tp2", "tp2f32"],
+                    help="TP=2 engines run after TP=1: bf16 sums (tp2) and/or float32 sums (tp2f32)")
     ap.add_argument("--skip-timing", action="store_true", help="8B: greedy checks only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry", action="store_true", help="CPU, gloo, tiny shape and sizes: checks the script")

@@ -51,6 +51,24 @@ def test_replicated_kv_heads_then_a_killed_worker():
     two.shutdown()
 
 
+def test_a_step_failing_on_the_driver_stops_the_workers():
+    """The workers are left inside a step the driver abandoned: the engine is done, not hung."""
+    two = LLM(RandomWeights(ONE_KV, seed=1), block_size=4, num_blocks=64, tensor_parallel_size=2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    two.engine.model.forward = broken
+    with pytest.raises(RuntimeError, match="injected failure"):
+        two.generate([5, 6, 7], SamplingParams(max_tokens=2))
+    worker = two.engine.tp.procs[0]
+    worker.join(timeout=10)
+    assert worker.exitcode is not None
+    with pytest.raises(WorkerDied, match="out of step"):
+        two.generate([5, 6, 7], SamplingParams(max_tokens=2))
+    two.shutdown()
+
+
 def test_heads_that_do_not_split_fail_before_any_process_starts():
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the model's 4 attention heads"):
         LLM(RandomWeights(ONE_KV), tensor_parallel_size=3)

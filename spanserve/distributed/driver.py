@@ -61,7 +61,8 @@ class TPDriver:
         check_divisible(self.config, world)
         self.on_failure = on_failure
         self.dead: str | None = None
-        self._closing = False
+        self._closing = False  # exits from here on are expected: the monitor stops
+        self._closed = False
         self._busy = 0.0  # monotonic start of the collective in progress, 0 when none
         port = free_port()
         ctx = mp.get_context("spawn")
@@ -101,8 +102,9 @@ class TPDriver:
         try:
             yield
         except Exception as e:
-            if self._wait_for_death(2.0):
+            if self._wait_for_death(1.0):
                 raise WorkerDied(self.dead) from e
+            self._break(f"a step failed on the driver ({type(e).__name__}: {e}), leaving the workers out of step")
             raise
         finally:
             self._busy = 0.0
@@ -144,11 +146,23 @@ class TPDriver:
         logging.shutdown()
         os._exit(1)
 
+    def _break(self, reason: str) -> None:
+        """The ranks no longer agree on where they are: stop the workers, fail every later call."""
+        self.dead = reason + "; the engine cannot continue"
+        self._closing = True  # the monitor stops: these exits are ours
+        log.error("tensor parallel: %s", self.dead)
+        for q in self.procs:
+            if q.exitcode is None:
+                q.terminate()
+        if self.on_failure == "exit":
+            logging.shutdown()
+            os._exit(1)
+
     def close(self) -> None:
         """Stop the workers (idempotent; also runs at interpreter exit)."""
-        if self._closing:
+        if self._closed:
             return
-        self._closing = True
+        self._closed = self._closing = True
         if self.dead is None and hasattr(self, "group"):
             with contextlib.suppress(Exception):
                 self.group.send(StepMessage([], None))
@@ -157,7 +171,8 @@ class TPDriver:
             if p.exitcode is None:
                 p.terminate()
                 p.join(timeout=5)
-        if hasattr(self, "group"):
+        # NCCL's teardown can wait on a collective a dead peer never joins: leave that to exit
+        if hasattr(self, "group") and (self.dead is None or self.group.device.type != "cuda"):
             with contextlib.suppress(Exception):
                 self.group.leave()
         atexit.unregister(self.close)

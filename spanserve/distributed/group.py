@@ -78,6 +78,8 @@ class TPGroup:
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[n, V/world] shards of the vocabulary-parallel LM head -> [n, V] on every rank."""
+        if logits.shape[0] == 0:  # no sampled row this step (every rank knows): nothing to send
+            return logits.new_zeros(0, vocab_size)
         parts = [torch.empty_like(logits) for _ in range(self.world)]
         dist.all_gather(parts, logits.contiguous())
         return torch.cat(parts, dim=-1)[:, :vocab_size]

@@ -89,14 +89,14 @@ def decode_rows(chunks: list[Chunk]) -> tuple[DecodeRows, list[int]] | None:
 
 @dataclass
 class StepInput:
-    """One step as host data: a decode-only step's rows (for the decode graphs) or the general
-    plan, the selective rows (chunk index, spec, per-token reused flags), and sample_at."""
+    """One step as host data: its path, a decode-only step's rows (for the decode graphs) or the
+    general plan, the selective rows (chunk index, spec, per-token reused flags), and sample_at."""
 
     sample_at: list[int]
+    path: StepPath
     decode: DecodeRows | None = None
     host: HostPlan | None = None
     recompute: list[tuple[int, RecomputeSpec, list[bool]]] = field(default_factory=list)
-    graph: bool = False  # the general plan replays a step graph (attention.paths.step_path)
 
 
 class ModelRunner:
@@ -148,24 +148,25 @@ class ModelRunner:
         dec = decode_rows(chunks) if self.graphs is not None and not eager else None
         path = StepPath.EAGER if eager else self._path(chunks, dec is not None)
         if path is StepPath.DECODE_GRAPH:
-            return StepInput(dec[1], decode=dec[0])
+            assert dec is not None
+            return StepInput(dec[1], path, decode=dec[0])
         hp, sample_at = host_plan(chunks)
         recompute = []
         for r, c in enumerate(chunks):
             if c.recompute is not None:
                 reused = set(c.recompute.reused)
                 recompute.append((r, c.recompute, [p in reused for p in c.positions]))
-        return StepInput(sample_at, host=hp, recompute=recompute, graph=path is StepPath.STEP_GRAPH)
+        return StepInput(sample_at, path, host=hp, recompute=recompute)
 
     @torch.inference_mode()
     def execute(self, step: "StepInput") -> tuple[torch.Tensor, list[RecomputeRow]]:
         """Hidden states of the step's tokens, and its selective rows (with their stats)."""
-        if step.decode is not None:
-            assert self.graphs is not None
+        if step.path is StepPath.DECODE_GRAPH:
+            assert self.graphs is not None and step.decode is not None
             return self.graphs.run(step.decode), []
         hp = step.host
         assert hp is not None
-        if step.graph:
+        if step.path is StepPath.STEP_GRAPH:
             assert self.step_graphs is not None
             return self.step_graphs.run(hp), []
         ids, plan = device_plan(hp, self.model.device)
