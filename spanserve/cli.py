@@ -34,6 +34,33 @@ def _serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests, log_level=args.log_level))
 
 
+def _serve_cluster(args: argparse.Namespace) -> int:
+    from spanserve.cluster.app import ClusterOptions
+    from spanserve.cluster.launch import serve_cluster
+
+    engine = {"device": args.device, "dtype": args.dtype, "block_size": args.block_size,
+              "kv_cache_memory": args.kv_cache_memory, "max_num_seqs": args.max_num_seqs,
+              "max_model_len": args.max_model_len, "default_policy": args.default_policy}
+    for item in args.engine_arg:  # anything else LLMEngine takes, forwarded to every replica
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--engine-arg takes KEY=VALUE, got {item!r}")
+        engine[key.replace("-", "_")] = _literal(value)
+    opts = ClusterOptions(model=args.model, replicas=args.replicas, engine=engine,
+                          served_model_name=args.served_model_name, replica_cpus=args.replica_cpus,
+                          max_queued_requests=args.max_queued_requests)
+    return serve_cluster(opts, None if args.address in (None, "local") else args.address, args.host, args.port)
+
+
+def _literal(text: str) -> object:
+    import ast
+
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
 def _generate(args: argparse.Namespace) -> int:
     from spanserve import LLM, SamplingParams
 
@@ -72,6 +99,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests that may wait beyond --max-num-seqs before new ones get 429")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=_serve)
+    c = sub.add_parser("serve-cluster", help="serve replicas behind a segment-aware router on Ray Serve")
+    _engine_args(c)
+    c.add_argument("--replicas", type=int, default=2)
+    c.add_argument("--address", default=None,
+                   help="Ray cluster to join: auto (started with `ray start` here) or ray://host:10001; "
+                        "default: start a private one on this machine")
+    c.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
+    c.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="another LLMEngine option for every replica (repeatable)")
+    c.add_argument("--host", default="127.0.0.1")
+    c.add_argument("--port", type=int, default=8000)
+    c.add_argument("--served-model-name", default=None)
+    c.add_argument("--max-model-len", type=int, default=None)
+    c.add_argument("--default-policy", default="none", choices=["none", "full"])
+    c.add_argument("--max-queued-requests", type=int, default=1024)
+    c.set_defaults(func=_serve_cluster)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

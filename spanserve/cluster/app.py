@@ -1,0 +1,153 @@
+"""The Ray Serve application: a gateway (one HTTP entry point, computes each request's route
+keys) in front of one deployment of engine replicas (each a whole single-server spanserve,
+its FastAPI app served in process), routed by SegmentRequestRouter.
+
+(No `from __future__ import annotations` here: Ray Serve's class ingress reads the route
+signatures' annotations as objects.)"""
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.config import RequestRouterConfig
+from starlette.concurrency import run_in_threadpool
+
+from spanserve.cluster.asgi import HTTPCall, HTTPHead, run_asgi
+from spanserve.cluster.forward import error_response, relay_stream
+from spanserve.cluster.keys import KeyMaker, load_tokenizer
+from spanserve.cluster.ray_router import SegmentRequestRouter
+from spanserve.cluster.routing import RouteKey
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 20
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection"}
+
+
+@dataclass
+class ClusterOptions:
+    model: str = "smollm2"
+    replicas: int = 2
+    # Forwarded to every replica's LLMEngine(...) as keyword arguments: dtype, block_size,
+    # kv_cache_memory, max_num_seqs, default_policy, and any option an engine grows later.
+    engine: dict[str, Any] = field(default_factory=dict)
+    served_model_name: str | None = None
+    max_queued_requests: int = 1024
+    replica_cpus: float = 1.0  # Ray CPUs reserved per replica (also its torch threads, at least 1)
+    max_ongoing_requests: int = 64  # per replica; beyond it Ray Serve queues at the router
+    slack: float = 0.25  # a replica may hold (1 + slack) x the mean load before requests spill
+    retries: int = 1  # times a request is sent again when its replica dies before answering
+    health_check_period_s: float = 2.0
+
+    @property
+    def block_size(self) -> int:
+        return int(self.engine.get("block_size", 16))
+
+
+class EngineReplica:
+    """One engine and its API, the same app `spanserve serve` runs, minus the socket."""
+
+    def __init__(self, options: dict[str, Any]):
+        import torch
+
+        from spanserve.engine.engine import LLMEngine
+        from spanserve.server.app import create_app
+        from spanserve.server.context import ServerConfig
+        from spanserve.server.launch import default_served_name
+
+        opts = ClusterOptions(**options)
+        torch.set_num_threads(max(1, int(opts.replica_cpus)))
+        self.engine = LLMEngine(model=opts.model, **opts.engine)
+        max_pending = int(opts.engine.get("max_num_seqs", 64)) + opts.max_queued_requests
+        config = ServerConfig(served_model_name=opts.served_model_name or default_served_name(opts.model),
+                              model_source=opts.model, max_pending=max_pending)
+        self.app = create_app(self.engine, config)
+        self._lifespan: Any = None
+        self._name = serve.get_replica_context().replica_id.unique_id
+
+    async def _start(self) -> None:
+        if self._lifespan is None:  # the app's startup (the engine thread) on this replica's loop
+            self._lifespan = self.app.router.lifespan_context(self.app)
+            await self._lifespan.__aenter__()
+
+    async def forward(self, call: HTTPCall, route: list[RouteKey] | None = None) -> AsyncIterator[HTTPHead | bytes]:
+        """The app's response to `call`: its head, then its body chunks. `route` is read by the
+        router only."""
+        await self._start()
+        async for item in run_asgi(self.app, call):
+            if isinstance(item, HTTPHead):  # which replica answered: for logs, tests and operators
+                item.headers.append(("x-spanserve-replica", self._name))
+            yield item
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return {"pool_tokens": self.engine.pool.num_blocks * self.engine.block_size}
+
+    async def check_health(self) -> None:
+        await self._start()
+        if not self.app.state.ctx.engine.is_alive:
+            raise RuntimeError("the engine thread has stopped")
+
+    async def __del__(self) -> None:
+        if self._lifespan is not None:
+            await self._lifespan.__aexit__(None, None, None)
+
+
+gateway_api = FastAPI(title="spanserve cluster")
+
+
+@serve.ingress(gateway_api)
+class Gateway:
+    """The one HTTP entry point: every route of the single-server API, forwarded to a replica."""
+
+    def __init__(self, engines: Any, options: dict[str, Any]):
+        opts = ClusterOptions(**options)
+        self.engines = engines
+        self.retries = opts.retries
+        self.keys = KeyMaker(load_tokenizer(opts.model), opts.block_size,
+                             str(opts.engine.get("default_policy", "none")))
+
+    @gateway_api.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
+    async def proxy(self, path: str, request: Request) -> Response:
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            return error_response(413, f"request body over {MAX_BODY_BYTES} bytes", "body_too_large")
+        call = HTTPCall(request.method, "/" + path, request.url.query, tuple(request.headers.items()), body)
+        keys = await run_in_threadpool(self.keys.keys, call.path, body) if request.method == "POST" else []
+        last: Exception | None = None
+        for _ in range(self.retries + 1):
+            stream = self.engines.options(stream=True).forward.remote(call, route=keys)
+            try:
+                head = await stream.__anext__()
+                assert isinstance(head, HTTPHead)
+                headers = {k: v for k, v in head.headers if k.lower() not in _HOP_HEADERS}
+                if head.headers and dict(head.headers).get("content-type", "").startswith("text/event-stream"):
+                    return StreamingResponse(relay_stream(stream), status_code=head.status, headers=headers)
+                chunks = [c async for c in stream]  # whole, so a replica lost midway is retried
+                return Response(b"".join(chunks), status_code=head.status, headers=headers)
+            except RayActorError as e:
+                log.warning("replica lost while serving %s: %s", call.path, e)
+                last = e
+        return error_response(503, f"the replica serving this request stopped ({type(last).__name__}); "
+                      "the deployment is restarting it: retry", "replica_unavailable")
+
+
+def build_app(opts: ClusterOptions) -> Any:
+    """The application, ready for serve.run."""
+    options = asdict(opts)
+    engines = serve.deployment(EngineReplica).options(
+        name="SpanserveEngine", num_replicas=opts.replicas,
+        ray_actor_options={"num_cpus": opts.replica_cpus},
+        max_ongoing_requests=opts.max_ongoing_requests,
+        health_check_period_s=opts.health_check_period_s, health_check_timeout_s=30,
+        request_router_config=RequestRouterConfig(
+            request_router_class=SegmentRequestRouter, request_router_kwargs={"slack": opts.slack},
+            request_routing_stats_period_s=5.0),
+    )
+    gateway = serve.deployment(Gateway).options(name="SpanserveGateway", num_replicas=1,
+                                                ray_actor_options={"num_cpus": 0})
+    return gateway.bind(engines.bind(options), options)

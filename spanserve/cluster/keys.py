@@ -1,0 +1,103 @@
+"""Route keys of an API request, computed at the gateway the way a replica's cache will key it:
+the same tokenizer, the same layout resolution, the same seeds (see routing.layout_keys).
+
+Anything the gateway cannot read (malformed JSON, unknown routes, span queries whose layout
+only exists after their inner generations ran) gets no keys: it goes to the least loaded
+replica, which answers it (errors included) exactly as a single server would.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from spanserve.cluster.routing import RouteKey, layout_keys, prefix_key
+from spanserve.engine.layout import Segment, resolve
+from spanserve.reuse.policies import resolve_policy
+
+
+def load_tokenizer(model: str) -> Any:
+    """The model's tokenizer alone (no weights): what the gateway tokenizes with."""
+    from spanserve.model.loader import resolve_model
+
+    path = resolve_model(model)
+    if path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        from spanserve.model.loader import _gguf_tokenizer
+
+        return _gguf_tokenizer(GGUFReader(str(path)), path)
+    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+class KeyMaker:
+    def __init__(self, tokenizer: Any, block_size: int, default_policy: str = "none"):
+        self.tok = tokenizer
+        self.block_size = block_size
+        self.default_policy = default_policy
+
+    def keys(self, path: str, body: bytes) -> list[RouteKey]:
+        try:
+            req = json.loads(body) if body else None
+            if not isinstance(req, dict):
+                return []
+            if path == "/v1/completions":
+                return self._completion(req)
+            if path == "/v1/chat/completions":
+                return self._chat(req)
+            if path == "/v1/segments":
+                segs = [Segment(token_ids=self._ids(s), kind="plus") for s in req.get("segments") or []]
+                return self._layout(segs + [Segment(token_ids=[0])], req)
+        except Exception:  # noqa: BLE001 - routing never fails a request: the replica answers it
+            pass
+        return []
+
+    def _ids(self, seg: dict) -> list[int]:
+        if seg.get("text") is not None:
+            return self._encode(str(seg["text"]))
+        return [int(t) for t in seg.get("token_ids") or []]
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tok is None:
+            raise ValueError("no tokenizer")
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def _layout(self, segs: list[Segment], req: dict) -> list[RouteKey]:
+        policy = resolve_policy(req.get("policy"), resolve_policy(self.default_policy))
+        pieces = resolve(segs, self._encode, policy.name)
+        return layout_keys(pieces, req.get("cache_salt") or "", self.block_size)
+
+    def _plain(self, ids: list[int], req: dict) -> list[RouteKey]:
+        return [prefix_key(ids, req.get("cache_salt") or "", self.block_size)] if ids else []
+
+    def _completion(self, req: dict) -> list[RouteKey]:
+        if req.get("segments"):
+            segs = [Segment(token_ids=self._ids(s), kind=s.get("kind", "cross"), anchor=s.get("anchor", "none"))
+                    for s in req["segments"]]
+            return self._layout(segs, req)
+        prompt = req.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch: its first prompt names it
+        if isinstance(prompt, str):
+            return self._plain(self._encode(prompt), req)
+        return self._plain([int(t) for t in prompt or []], req)
+
+    def _chat(self, req: dict) -> list[RouteKey]:
+        from spanserve.query.plan import Planner
+        from spanserve.server.protocol import ChatMessage
+        from spanserve.server.span import chat_query, is_span_chat
+
+        if self.tok is None or not getattr(self.tok, "chat_template", None):
+            return []
+        messages = [ChatMessage.model_validate(m) for m in req.get("messages") or []]
+        gen = req.get("add_generation_prompt", True)
+        if is_span_chat(messages):
+            segs = Planner(self.tok).layout(chat_query(messages))
+            return self._layout(list(segs if gen else segs[:-1]), req)
+        text = self.tok.apply_chat_template([m.as_template_dict() for m in messages], tokenize=False,
+                                            add_generation_prompt=gen)
+        return self._plain(self._encode(text), req)

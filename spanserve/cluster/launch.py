@@ -1,0 +1,57 @@
+"""`spanserve serve-cluster`: start (or join) a Ray instance and run the replica application."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from spanserve.cluster.app import ClusterOptions, build_app
+
+log = logging.getLogger("spanserve")
+
+
+def start_ray(address: str | None, num_cpus: float, object_store_bytes: int) -> None:
+    """`address` None: a private Ray instance on loopback, sized for this machine; else attach
+    ("auto" finds a cluster started with `ray start` on this node; "ray://host:10001" a remote
+    one through Ray Client)."""
+    import ray
+
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return
+    ray.init(num_cpus=max(1, int(num_cpus + 0.999)), object_store_memory=object_store_bytes,
+             include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+
+
+def run_application(opts: ClusterOptions, host: str, port: int) -> Any:
+    """Deploys the application and waits for it to be healthy; returns the gateway's handle."""
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port})
+    return serve.run(build_app(opts), name="spanserve", route_prefix="/")
+
+
+def stop() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def serve_cluster(opts: ClusterOptions, address: str | None, host: str, port: int,
+                  object_store_bytes: int = 256 << 20) -> int:
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start_ray(address, opts.replicas * opts.replica_cpus + 1, object_store_bytes)
+    try:
+        log.info("starting %d replicas of %s ...", opts.replicas, opts.model)
+        run_application(opts, host, port)
+        log.info("serving at http://%s:%d/v1 (%d replicas, segment-aware routing)", host, port, opts.replicas)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        stop()

@@ -1,0 +1,154 @@
+"""Replicas behind the segment-aware router on a local Ray Serve instance (tiny random model):
+requests sharing documents in any order meet their KV on one replica, answers equal a single
+server's, and a replica killed mid-request is survived and restarted. One Ray instance for the
+module: Ray is heavy on a small machine."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+pytest.importorskip("ray.serve", reason="needs the cluster extra: pip install 'spanserve[cluster]'")
+
+from spanserve.cluster.app import ClusterOptions  # noqa: E402
+from spanserve.cluster.launch import run_application, start_ray, stop  # noqa: E402
+from tiny_models import make_tiny_model  # noqa: E402
+
+ENGINE = {"num_blocks": 256, "block_size": 8, "max_num_seqs": 8}
+DOCS = ["the cat sat on the mat . the dog ran .", "hello world , the dog sat on a mat !",
+        "a cat ran on the mat ? the world sat ."]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path, _ = make_tiny_model("llama", tmp_path_factory.mktemp("cluster"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path) -> Iterator[httpx.Client]:
+    port = _free_port()
+    start_ray(None, num_cpus=2, object_store_bytes=80 << 20)
+    try:
+        opts = ClusterOptions(model=str(model_dir), replicas=2, engine=ENGINE, served_model_name="tiny",
+                              replica_cpus=0.5, health_check_period_s=1.0)
+        run_application(opts, "127.0.0.1", port)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
+            yield c
+    finally:
+        stop()
+
+
+@pytest.fixture(scope="module")
+def single(model_dir: Path) -> Iterator[TestClient]:
+    from spanserve.engine.engine import LLMEngine
+    from spanserve.server.app import create_app
+    from spanserve.server.context import ServerConfig
+
+    engine = LLMEngine(model=str(model_dir), **ENGINE)  # type: ignore[arg-type]
+    with TestClient(create_app(engine, ServerConfig("tiny", str(model_dir)))) as c:
+        yield c
+
+
+def layout(docs: list[str], question: str, **extra: Any) -> dict[str, Any]:
+    segs = [{"text": d, "kind": "plus"} for d in docs] + [{"text": question}]
+    return {"model": "tiny", "segments": segs, "max_tokens": 6, "temperature": 0, **extra}
+
+
+def _ok(r: httpx.Response) -> dict[str, Any]:
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def test_shared_documents_meet_on_one_replica_and_answer_as_one_server(cluster: httpx.Client,
+                                                                        single: TestClient) -> None:
+    first = cluster.post("/v1/completions", json=layout(DOCS[:2], "the cat ?"))
+    again = cluster.post("/v1/completions", json=layout(DOCS[1::-1], "a dog ?"))  # same documents, swapped
+    assert again.headers["x-spanserve-replica"] == first.headers["x-spanserve-replica"]
+    assert _ok(again)["usage"]["prompt_tokens_details"]["reuse"]["segment"] > 0
+    plain = {"model": "tiny", "prompt": "hello world , the cat", "max_tokens": 6, "temperature": 0}
+    chat = {"model": "tiny", "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "user", "content": DOCS[2], "kind": "plus"}, {"role": "user", "content": "?"}]}
+    for path, body, got in [("/v1/completions", layout(DOCS[:2], "the cat ?"), first),
+                            ("/v1/completions", layout(DOCS[1::-1], "a dog ?"), again),
+                            ("/v1/completions", plain, cluster.post("/v1/completions", json=plain)),
+                            ("/v1/chat/completions", chat, cluster.post("/v1/chat/completions", json=chat))]:
+        want = single.post(path, json=body)
+        assert want.status_code == 200, want.text
+        text = [c.get("text", c.get("message", {}).get("content")) for c in _ok(got)["choices"]]
+        assert text == [c.get("text", c.get("message", {}).get("content")) for c in want.json()["choices"]]
+    # errors come back as a single server gives them, not as gateway failures
+    bad = cluster.post("/v1/completions", content=b"{not json")
+    assert bad.status_code == 400 and bad.json()["error"]["message"]
+    assert cluster.get("/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def _engine_actors() -> dict[str, Any]:
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if "SpanserveEngine" in a["name"]]
+    return {n.rsplit("#", 1)[-1]: ray.get_actor(n, namespace="serve") for n in names}
+
+
+def _wait(cond: Any, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.5)
+
+
+def test_a_killed_replica_is_survived_and_restarted(cluster: httpx.Client) -> None:
+    import ray
+
+    body = layout(DOCS[1:], "the world ?")
+    warm = cluster.post("/v1/completions", json=body)
+    victim = warm.headers["x-spanserve-replica"]
+    actors = _engine_actors()
+    assert victim in actors and len(actors) == 2
+    long = dict(body, max_tokens=150, ignore_eos=True)
+    result: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", cluster.post("/v1/completions", json=long)))
+    t.start()
+    time.sleep(0.3)
+    ray.kill(actors[victim], no_restart=True)
+    t.join(timeout=120)
+    assert not t.is_alive()
+    r = result["r"]
+    if r.status_code == 200:  # retried on the survivor: a whole answer
+        assert r.headers["x-spanserve-replica"] != victim
+        assert r.json()["usage"]["completion_tokens"] == 150
+    else:  # or a clear error naming the cause
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "replica_unavailable"
+    # new requests for the same documents go to the survivor
+    after = cluster.post("/v1/completions", json=body)
+    assert after.status_code == 200, after.text
+    assert after.headers["x-spanserve-replica"] != victim
+    # and Ray Serve starts a replacement
+    _wait(lambda: len(_engine_actors()) == 2 and victim not in _engine_actors(), 180, "a new replica")
+    seen = set()
+    for i in range(12):  # the router spreads plain prompts it has no keys for by load
+        seen.add(_ok_headers(cluster.post("/v1/completions", json={"model": "tiny", "prompt": f"hello {i} cat",
+                                                                    "max_tokens": 2, "temperature": 0})))
+    assert victim not in seen
+
+
+def _ok_headers(r: httpx.Response) -> str:
+    assert r.status_code == 200, r.text
+    return r.headers["x-spanserve-replica"]
