@@ -15,11 +15,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-pytest.importorskip("ray.serve", reason="needs the cluster extra: pip install 'spanserve[cluster]'")
-
-from spanserve.cluster.app import ClusterOptions  # noqa: E402
-from spanserve.cluster.launch import run_application, start_ray, stop  # noqa: E402
-from tiny_models import make_tiny_model  # noqa: E402
+from spanserve.cluster.app import ClusterOptions
+from spanserve.cluster.launch import run_application, start_ray, stop
+from tiny_models import make_tiny_model
 
 ENGINE = {"num_blocks": 256, "block_size": 8, "max_num_seqs": 8}
 DOCS = ["the cat sat on the mat . the dog ran .", "hello world , the dog sat on a mat !",

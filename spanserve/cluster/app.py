@@ -44,6 +44,14 @@ class ClusterOptions:
     retries: int = 1  # times a request is sent again when its replica dies before answering
     health_check_period_s: float = 2.0
 
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if not self.replica_cpus > 0:
+            raise ValueError(f"replica_cpus must be > 0, got {self.replica_cpus}")
+        if self.retries < 0 or not self.slack >= 0:
+            raise ValueError("retries and slack must be >= 0")
+
     @property
     def block_size(self) -> int:
         return int(self.engine.get("block_size", 16))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from spanserve.cluster.app import ClusterOptions, build_app
@@ -17,7 +18,11 @@ def start_ray(address: str | None, num_cpus: float, object_store_bytes: int) -> 
     import ray
 
     if address:
-        ray.init(address=address, log_to_driver=False)
+        # ship this spanserve with the job: the cluster's nodes need not have it installed
+        import spanserve
+
+        ray.init(address=address, log_to_driver=False,
+                 runtime_env={"py_modules": [str(Path(spanserve.__file__).parent)]})
         return
     ray.init(num_cpus=max(1, int(num_cpus + 0.999)), object_store_memory=object_store_bytes,
              include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
