@@ -11,8 +11,8 @@ as plus segments in the order drawn, then a question of its own (cross). Routers
   round_robin    replica i mod N
   prefix_hash    rendezvous hash of the prompt's first blocks read as one plain prompt (what a
                  prefix-affinity router sees), bounded load
-  segment_aware  spanserve.cluster.routing: rendezvous owners of the plus segments' cache keys,
-                 weighted by tokens x how often each key was seen, bounded load
+  segment_aware  spanserve.cluster.routing: the replica holding most of the request's plus-segment
+                 tokens (where their keys were sent lately, else their rendezvous owners), bounded load
 
 Load: a request stays in flight for the next N x --concurrency arrivals; a replica at
 ceil(1.25 x mean in-flight) is passed over (bounded-load hashing). Each request is admitted

@@ -6,11 +6,12 @@ and one for its leading cross run (a prefix of the chain a plain prompt's cache 
 key has an owner among the replicas by rendezvous hashing, so a document is computed where it
 was computed before, and a replica leaving or joining moves only the keys it owned or now owns.
 
-A request goes to the replica whose owned keys save it the most: each key weighs its tokens
-times how often the router has seen it (a document seen often is cached at its owner; one
-seen once is cached nowhere yet). A replica whose queue is at the bound is skipped for the next
-best; when every replica is at it, the least loaded one takes the request. The router holds
-no copy of any cache: a wrong guess costs a miss, never a wrong answer.
+A request goes to the replica that would hit the most of its tokens: a key counts for the
+replicas the router sent it to lately (a per-replica LRU of keys as large as a replica's pool),
+or, held nowhere yet, for its owner, where it will be computed. A replica whose queue is at
+the bound is skipped for the next best; when every replica is at it, the least loaded one
+takes the request. The router holds no copy of any cache: a wrong guess costs a miss, never a
+wrong answer.
 """
 from __future__ import annotations
 
