@@ -159,3 +159,20 @@ def build_app(opts: ClusterOptions) -> Any:
     gateway = serve.deployment(Gateway).options(name="SpanserveGateway", num_replicas=1,
                                                 ray_actor_options={"num_cpus": 0})
     return gateway.bind(engines.bind(options), options)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """For Ray Serve's own tooling: `serve run spanserve.cluster.app:app_builder replicas=4
+    model=/models/x`, or `import_path` + `args` in a Serve config file (`serve deploy`). Values
+    given as text (the command line) are read as Python literals where they are one."""
+    import ast
+
+    def value(v: Any) -> Any:
+        if not isinstance(v, str):
+            return v
+        try:
+            return ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            return v
+
+    return build_app(ClusterOptions(**{k: value(v) for k, v in args.items()}))
