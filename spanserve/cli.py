@@ -48,6 +48,7 @@ def _serve_cluster(args: argparse.Namespace) -> int:
         engine[key.replace("-", "_")] = _literal(value)
     opts = ClusterOptions(model=args.model, replicas=args.replicas, engine=engine,
                           served_model_name=args.served_model_name, replica_cpus=args.replica_cpus,
+                          replica_gpus=args.replica_gpus,
                           max_queued_requests=args.max_queued_requests)
     return serve_cluster(opts, None if args.address in (None, "local") else args.address, args.host, args.port)
 
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="Ray cluster to join: auto (started with `ray start` here) or ray://host:10001; "
                         "default: start a private one on this machine")
     c.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
+    c.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica (with --device cuda)")
     c.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="another LLMEngine option for every replica (repeatable)")
     c.add_argument("--host", default="127.0.0.1")

@@ -34,7 +34,7 @@ def test_engine_options_reach_every_replica(monkeypatch: pytest.MonkeyPatch) -> 
     assert opts.engine["kv_offload"] == {"store_url": "redis://h:6379/0"}
     assert opts.engine["reposition"] == "eager"
     local, address = _parsed(monkeypatch, "--model", "m")
-    assert address is None and local.replicas == 2
+    assert address is None and local.replicas == 2 and local.replica_gpus == 0
 
 
 def test_bad_options_are_refused(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -39,6 +39,7 @@ class ClusterOptions:
     served_model_name: str | None = None
     max_queued_requests: int = 1024
     replica_cpus: float = 1.0  # Ray CPUs reserved per replica (also its torch threads, at least 1)
+    replica_gpus: float = 0.0  # Ray GPUs per replica (with engine device "cuda")
     max_ongoing_requests: int = 64  # per replica; beyond it Ray Serve queues at the router
     slack: float = 0.25  # a replica may hold (1 + slack) x the mean load before requests spill
     retries: int = 1  # times a request is sent again when its replica dies before answering
@@ -149,7 +150,7 @@ def build_app(opts: ClusterOptions) -> Any:
     options = asdict(opts)
     engines = serve.deployment(EngineReplica).options(
         name="SpanserveEngine", num_replicas=opts.replicas,
-        ray_actor_options={"num_cpus": opts.replica_cpus},
+        ray_actor_options={"num_cpus": opts.replica_cpus, "num_gpus": opts.replica_gpus},
         max_ongoing_requests=opts.max_ongoing_requests,
         health_check_period_s=opts.health_check_period_s, health_check_timeout_s=30,
         request_router_config=RequestRouterConfig(
