@@ -126,7 +126,9 @@ class Gateway:
         if len(body) > MAX_BODY_BYTES:
             return error_response(413, f"request body over {MAX_BODY_BYTES} bytes", "body_too_large")
         call = HTTPCall(request.method, "/" + path, request.url.query, tuple(request.headers.items()), body)
-        keys = await run_in_threadpool(self.keys.keys, call.path, body) if request.method == "POST" else []
+        keys: list[RouteKey] = []
+        if request.method == "POST":
+            keys = await run_in_threadpool(self.keys.keys, call.path, body, call.query)
         last: Exception | None = None
         for _ in range(self.retries + 1):
             stream = self.engines.options(stream=True).forward.remote(call, route=keys)
