@@ -33,11 +33,9 @@ import numpy as np
 
 from common import format_table, save_figure, write_json
 from spanserve.cache.block_pool import BlockPool
+from spanserve.cache.claim import Admission, Piece
 from spanserve.cache.manager import CacheManager
 from spanserve.cluster import routing
-from spanserve.engine.layout import Piece
-from spanserve.engine.request import Request
-from spanserve.engine.sampling import SamplingParams
 from zipf_hits import zipf_trace
 
 ROUTERS = ("round_robin", "prefix_hash", "segment_aware")
@@ -61,16 +59,17 @@ class Replica:
     doc_tokens: int = 0
     computed: int = 0
 
-    def serve(self, req: Request, doc_tokens: int) -> None:
-        if not self.manager.admit(req):
+    def serve(self, adm: Admission, doc_tokens: int) -> None:
+        held = self.manager.admit(adm)
+        if held is None:
             raise RuntimeError("a request does not fit an empty pool: raise --budget")
-        for t in req.tasks:  # as if the forward ran: every task's positions now have KV
+        for t in held.tasks:  # as if the forward ran: every task's positions now have KV
             t.todo = []
-        self.manager.release(req)
+        self.manager.release(held)
         self.requests += 1
-        self.hit_tokens += req.reuse["segment"] + req.reuse["prefix"] + req.reuse["perforated"]
+        self.hit_tokens += held.reuse["segment"] + held.reuse["prefix"] + held.reuse["perforated"]
         self.doc_tokens += doc_tokens
-        self.computed += req.reuse["computed"]
+        self.computed += held.reuse["computed"]
 
 
 @dataclass
@@ -147,8 +146,7 @@ def simulate(w: Workload, router: str, n: int, pool_blocks: int, args: argparse.
         loads[r] += 1
         in_flight.append(r)
         prompt = [t for p in pieces for t in p.tokens]
-        req = Request(f"r{i}", prompt, SamplingParams(max_tokens=1), pieces=list(pieces))
-        replicas[r].serve(req, w.doc_tokens[i])
+        replicas[r].serve(Admission(list(pieces), prompt), w.doc_tokens[i])
     counts = [x.requests for x in replicas.values()]
     work = [x.computed for x in replicas.values()]
     return {"router": router, "replicas": n,

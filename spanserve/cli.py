@@ -77,6 +77,34 @@ def _literal(text: str) -> object:
         return text
 
 
+def _serve_cluster(args: argparse.Namespace) -> int:
+    from spanserve.cluster.app import ClusterOptions
+    from spanserve.cluster.launch import serve_cluster
+
+    engine = {"device": args.device, "dtype": args.dtype, "block_size": args.block_size,
+              "kv_cache_memory": args.kv_cache_memory, "max_num_seqs": args.max_num_seqs,
+              "max_model_len": args.max_model_len, "default_policy": args.default_policy}
+    for item in args.engine_arg:  # anything else LLMEngine takes, forwarded to every replica
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--engine-arg takes KEY=VALUE, got {item!r}")
+        engine[key.replace("-", "_")] = _literal(value)
+    opts = ClusterOptions(model=args.model, replicas=args.replicas, engine=engine,
+                          served_model_name=args.served_model_name, replica_cpus=args.replica_cpus,
+                          replica_gpus=args.replica_gpus,
+                          max_queued_requests=args.max_queued_requests)
+    return serve_cluster(opts, None if args.address in (None, "local") else args.address, args.host, args.port)
+
+
+def _literal(text: str) -> object:
+    import ast
+
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
 def _generate(args: argparse.Namespace) -> int:
     from spanserve import LLM, SamplingParams
 
@@ -128,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="Ray cluster to join: auto (started with `ray start` here) or ray://host:10001; "
                         "default: start a private one on this machine")
     c.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
+    c.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica (with --device cuda)")
     c.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="another LLMEngine option for every replica (repeatable)")
     c.add_argument("--host", default="127.0.0.1")

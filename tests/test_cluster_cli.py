@@ -34,7 +34,7 @@ def test_engine_options_reach_every_replica(monkeypatch: pytest.MonkeyPatch) -> 
     assert opts.engine["kv_offload"] == {"store_url": "redis://h:6379/0"}
     assert opts.engine["reposition"] == "eager"
     local, address = _parsed(monkeypatch, "--model", "m")
-    assert address is None and local.replicas == 2
+    assert address is None and local.replicas == 2 and local.replica_gpus == 0
 
 
 def test_bad_options_are_refused(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,3 +45,14 @@ def test_bad_options_are_refused(monkeypatch: pytest.MonkeyPatch, capsys: pytest
     assert "replicas must be >= 1" in capsys.readouterr().err
     assert cli.main(["serve-cluster", "--engine-arg", "novalue"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_serve_config_builder_reads_text_values() -> None:
+    from ray.serve import Application
+
+    from spanserve.cluster.app import app_builder
+
+    app = app_builder({"model": "m", "replicas": "3", "engine": "{'block_size': 8}", "slack": 0.5})
+    assert isinstance(app, Application)
+    with pytest.raises(ValueError, match="replicas must be >= 1"):
+        app_builder({"replicas": "0"})

@@ -62,3 +62,24 @@ def test_unreadable_requests_get_no_keys(engine_and_keys: tuple[LLMEngine, KeyMa
     assert km.keys("/v1/completions", b'{"segments": [{"kind": "plus"}]}') == []
     assert km.keys("/v1/query/execute", b'{"g": {}}') == []
     assert km.keys("/v1/chat/completions", b'{"messages": [{"role": "nobody"}]}') == []
+
+
+def _query(docs: list[str]) -> bytes:
+    return json.dumps({"g": {"model": "tiny", "max_tokens": 2, "temperature": 0, "input": {"cross": [
+        {"system": "answer ."}, {"plus": [{"user": d} for d in docs]}, {"user": "who sat ?"}]}}}).encode()
+
+
+def test_span_query_keys_are_where_its_documents_are_cached(engine_and_keys: tuple[LLMEngine, KeyMaker]) -> None:
+    from spanserve.query.execute import EngineRunner, Executor
+    from spanserve.query.wire import parse
+
+    engine, km = engine_and_keys
+    docs = ["the cat sat on the mat .", "a dog ran on the world !"]
+    keys = km.keys("/v1/query/execute", _query(docs))
+    assert len(keys) == 2
+    assert {k.key for k in km.keys("/v1/query/execute", _query(docs[::-1]))} == {k.key for k in keys}
+    assert not {k.key for k in keys} & {k.key for k in km.keys("/v1/query/execute", _query(docs), "cache_salt=x")}
+    Executor(EngineRunner(engine), engine.tokenizer).execute(parse(_query(docs)))
+    for k in keys:  # the engine cached each document's unit under exactly this key
+        held = [b for b in engine.pool.blocks if b.key == k.key]
+        assert len(held) == 1 and len(held[0].tokens) == (k.tokens - 1) % BS + 1

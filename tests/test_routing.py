@@ -8,12 +8,10 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from spanserve.cache.block_pool import BlockPool
+from spanserve.cache.claim import Admission, Holding, Piece
 from spanserve.cache.manager import CacheManager
 from spanserve.cluster import routing
 from spanserve.cluster.routing import RouteKey
-from spanserve.engine.layout import Piece
-from spanserve.engine.request import Request
-from spanserve.engine.sampling import SamplingParams
 
 keys_st = st.lists(st.builds(RouteKey, st.integers(0, 2**128 - 1), st.integers(1, 4096)), max_size=8)
 names_st = st.lists(st.text("abcdefgh0123456789-", min_size=1, max_size=12), min_size=1, max_size=12, unique=True)
@@ -128,12 +126,12 @@ class _NoKV:
         pass
 
 
-def _admitted(pieces: list[Piece], namespace: str = "", bs: int = 4) -> Request:
+def _admitted(pieces: list[Piece], namespace: str = "", bs: int = 4) -> Holding:
     mgr = CacheManager(BlockPool(64), storage=_NoKV(), block_size=bs)  # type: ignore[arg-type]
     prompt = [t for p in pieces for t in p.tokens]
-    req = Request("r", prompt, SamplingParams(max_tokens=1), namespace=namespace, pieces=pieces)
-    assert mgr.admit(req)
-    return req
+    held = mgr.admit(Admission(pieces, prompt, namespace))
+    assert held is not None
+    return held
 
 
 def test_plus_keys_are_the_cache_units_own_keys() -> None:

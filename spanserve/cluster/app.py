@@ -39,6 +39,7 @@ class ClusterOptions:
     served_model_name: str | None = None
     max_queued_requests: int = 1024
     replica_cpus: float = 1.0  # Ray CPUs reserved per replica (also its torch threads, at least 1)
+    replica_gpus: float = 0.0  # Ray GPUs per replica (with engine device "cuda")
     max_ongoing_requests: int = 64  # per replica; beyond it Ray Serve queues at the router
     slack: float = 0.25  # a replica may hold (1 + slack) x the mean load before requests spill
     retries: int = 1  # times a request is sent again when its replica dies before answering
@@ -125,7 +126,9 @@ class Gateway:
         if len(body) > MAX_BODY_BYTES:
             return error_response(413, f"request body over {MAX_BODY_BYTES} bytes", "body_too_large")
         call = HTTPCall(request.method, "/" + path, request.url.query, tuple(request.headers.items()), body)
-        keys = await run_in_threadpool(self.keys.keys, call.path, body) if request.method == "POST" else []
+        keys: list[RouteKey] = []
+        if request.method == "POST":
+            keys = await run_in_threadpool(self.keys.keys, call.path, body, call.query)
         last: Exception | None = None
         for _ in range(self.retries + 1):
             stream = self.engines.options(stream=True).forward.remote(call, route=keys)
@@ -149,7 +152,7 @@ def build_app(opts: ClusterOptions) -> Any:
     options = asdict(opts)
     engines = serve.deployment(EngineReplica).options(
         name="SpanserveEngine", num_replicas=opts.replicas,
-        ray_actor_options={"num_cpus": opts.replica_cpus},
+        ray_actor_options={"num_cpus": opts.replica_cpus, "num_gpus": opts.replica_gpus},
         max_ongoing_requests=opts.max_ongoing_requests,
         health_check_period_s=opts.health_check_period_s, health_check_timeout_s=30,
         request_router_config=RequestRouterConfig(
@@ -159,3 +162,20 @@ def build_app(opts: ClusterOptions) -> Any:
     gateway = serve.deployment(Gateway).options(name="SpanserveGateway", num_replicas=1,
                                                 ray_actor_options={"num_cpus": 0})
     return gateway.bind(engines.bind(options), options)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """For Ray Serve's own tooling: `serve run spanserve.cluster.app:app_builder replicas=4
+    model=/models/x`, or `import_path` + `args` in a Serve config file (`serve deploy`). Values
+    given as text (the command line) are read as Python literals where they are one."""
+    import ast
+
+    def value(v: Any) -> Any:
+        if not isinstance(v, str):
+            return v
+        try:
+            return ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            return v
+
+    return build_app(ClusterOptions(**{k: value(v) for k, v in args.items()}))

@@ -1,17 +1,20 @@
 """Route keys of an API request, computed at the gateway the way a replica's cache will key it:
 the same tokenizer, the same layout resolution, the same seeds (see routing.layout_keys).
 
-Anything the gateway cannot read (malformed JSON, unknown routes, span queries whose layout
-only exists after their inner generations ran) gets no keys: it goes to the least loaded
-replica, which answers it (errors included) exactly as a single server would.
+A span query's layouts exist only once its inner generations ran, so it is keyed by the plus
+children made of messages alone (documents, fixed context), rendered as its planner renders
+them. Anything the gateway cannot read (malformed JSON, unknown routes) gets no keys: it goes
+to the least loaded replica, which answers it (errors included) exactly as a single server would.
 """
 from __future__ import annotations
 
 import json
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from spanserve.cluster.routing import RouteKey, layout_keys, prefix_key
+from spanserve.cache.claim import Piece
+from spanserve.cluster.routing import RouteKey, layout_keys, plus_key, prefix_key
 from spanserve.engine.layout import Segment, resolve
 from spanserve.reuse.policies import resolve_policy
 
@@ -40,8 +43,11 @@ class KeyMaker:
         self.block_size = block_size
         self.default_policy = default_policy
 
-    def keys(self, path: str, body: bytes) -> list[RouteKey]:
+    def keys(self, path: str, body: bytes, query: str = "") -> list[RouteKey]:
         try:
+            if path == "/v1/query/execute":
+                salt = urllib.parse.parse_qs(query).get("cache_salt", [""])[0]
+                return self._query(body, salt)
             req = json.loads(body) if body else None
             if not isinstance(req, dict):
                 return []
@@ -101,3 +107,38 @@ class KeyMaker:
         text = self.tok.apply_chat_template([m.as_template_dict() for m in messages], tokenize=False,
                                             add_generation_prompt=gen)
         return self._plain(self._encode(text), req)
+
+    def _query(self, body: bytes, salt: str) -> list[RouteKey]:
+        from spanserve.query.ir import Generate, Group, Message, Par, Plus, Repeat
+        from spanserve.query.plan import Planner
+        from spanserve.query.wire import parse
+
+        planner = Planner(self.tok)
+        found: dict[int, RouteKey] = {}
+
+        def messages(node: Any) -> list[Message] | None:
+            if isinstance(node, Message):
+                return [node]
+            if isinstance(node, Group) and not isinstance(node, (Plus, Par)):
+                parts = [messages(c) for c in node.children]
+                return None if any(p is None for p in parts) else [m for p in parts for m in p or []]
+            return None
+
+        def walk(node: Any) -> None:
+            if isinstance(node, (Plus, Par)):
+                for child in node.children:
+                    parts = messages(child)
+                    if parts:
+                        ids = [t for m in parts for t in self._encode(planner.turn(m))]
+                        k = plus_key(Piece("plus", tuple(ids), 0), (), salt, self.block_size)
+                        found[k.key] = k
+            if isinstance(node, Group):
+                for child in node.children:
+                    walk(child)
+            elif isinstance(node, Generate):
+                walk(node.input)
+            elif isinstance(node, Repeat):
+                walk(node.query)
+
+        walk(parse(body))
+        return list(found.values())

@@ -48,11 +48,20 @@ def stop() -> None:
 
 def serve_cluster(opts: ClusterOptions, address: str | None, host: str, port: int,
                   object_store_bytes: int = 256 << 20) -> int:
+    """Blocks until interrupted; the exit status (1 if the application never came up)."""
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if address is None:  # the replicas run here: a wrong model path is an error now, not in a log
+        from spanserve.model.loader import resolve_model
+
+        resolve_model(opts.model)
     start_ray(address, opts.replicas * opts.replica_cpus + 1, object_store_bytes)
     try:
         log.info("starting %d replicas of %s ...", opts.replicas, opts.model)
-        run_application(opts, host, port)
+        try:
+            run_application(opts, host, port)
+        except RuntimeError as e:  # a replica failed to start: Ray Serve's message says why
+            log.error("the application did not start: %s", e)
+            return 1
         log.info("serving at http://%s:%d/v1 (%d replicas, segment-aware routing)", host, port, opts.replicas)
         while True:
             time.sleep(3600)

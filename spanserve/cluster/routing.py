@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import xxhash
 
 from spanserve.cache import hashing
-from spanserve.engine.layout import Piece
+from spanserve.cache.claim import Piece
 
 # Blocks of a plain prompt's chain that name it for routing: long enough to tell system
 # prompts apart, short enough that prompts sharing them share a replica.
