@@ -84,6 +84,7 @@ class Admission:
     namespace: str = ""
     policy: Any = None  # reuse.policies.Policy; None = pure span semantics
     encode_only: bool = False  # pin requests: encode the plus units, sample nothing
+    compute_all: bool = False  # every prompt position computed, none served from cache (prompt logprobs)
 
 
 def _no_reuse() -> dict[str, int]:

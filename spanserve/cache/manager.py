@@ -155,7 +155,7 @@ class CacheManager:
         units = self._units(adm)
         plans = [self._plan_unit(u.seed, u.tokens, u.keys, u.final, u.packed, u.tail_key) for u in units]
         sources: list[Unit] = []
-        if req.params.prompt_logprobs is not None:
+        if adm.compute_all:
             # every prompt position must be computed: a cached one has KV but no logits to score
             plans = [_Plan([None] * len(p.shared), dict.fromkeys(range(len(p.shared)), (None, 0))) for p in plans]
         if any(u.source is not None for u in units) and not _all_hit(units, plans, self.block_size):

@@ -50,7 +50,8 @@ class Request:
 
     def admission(self) -> Admission:
         """The request as the cache manager admits it."""
-        return Admission(self.current_pieces(), self.all_token_ids, self.namespace, self.policy, self.encode_only)
+        return Admission(self.current_pieces(), self.all_token_ids, self.namespace, self.policy, self.encode_only,
+                         compute_all=self.params.prompt_logprobs is not None)
 
     def hold(self, kv: Holding) -> None:
         """Carry what admission gave."""
