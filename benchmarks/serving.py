@@ -222,7 +222,7 @@ def offline(a: argparse.Namespace, sat: list[Request], warm: list[Request]) -> d
         (tmp / name).write_text(json.dumps([asdict(r) for r in reqs]))
     return sh([str(HERE / "serving_offline.py"), str(a.model_dir), "--requests", str(tmp / "sat.json"),
                "--warmup", str(tmp / "warm.json"), "--max-num-seqs", str(a.max_num_seqs),
-               *(["--kv-cache-memory", a.kv_cache_memory] if a.kv_cache_memory else [])], timeout=max(a.reserve, 60))
+               *(["--kv-cache-memory", a.kv_cache_memory] if a.kv_cache_memory else [])], timeout=a.reserve + 40)
 
 
 def report(r: dict[str, Any]) -> None:
@@ -292,14 +292,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--slo", type=float, default=None, help="p99 TTFT bound (s) for the sustained RAG rate")
     ap.add_argument("--no-rag", action="store_true")
     ap.add_argument("--no-offline", action="store_true")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for everything; later RAG rates are skipped")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for everything (440); RAG rates that would start later are skipped")
     ap.add_argument("--reserve", type=float, default=None, help="seconds kept for the offline run")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     gpu = dict(model_dir=Path("/tmp/spanserve-serving-8b"), chat_in=250.0, chat_out=200.0, chat_rates=[6.0, 18.0],
                chat_saturation=192, chat_warmup=96, duration=10.0, rag_docs=32, rag_doc_tokens=(1000, 3000),
                rag_per_request=(4, 8), rag_out=32, span_rates=[2.0, 4.0, 8.0, 16.0, 32.0, 64.0],
-               plain_rates=[0.5, 1.0, 2.0, 4.0], slo=2.0, budget=480.0, reserve=100.0, out="serving.json")
+               plain_rates=[0.5, 1.0, 2.0, 4.0], slo=2.0, budget=440.0, reserve=110.0, out="serving.json")
     dry = dict(model_dir=Path(tempfile.gettempdir()) / "spanserve-serving-tiny", chat_in=24.0, chat_out=12.0,
                chat_rates=[2.0], chat_saturation=8, chat_warmup=4, duration=2.0, rag_docs=6, rag_doc_tokens=(30, 90),
                rag_per_request=(2, 4), rag_out=4, span_rates=[1.0, 2.0], plain_rates=[1.0], slo=30.0, budget=150.0,
