@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # this checkout's spanserve
 from common import format_table, write_json  # noqa: E402
 from serving_load import (RagShape, Request, chat_requests, rag_corpus, rag_requests, run_load,  # noqa: E402
                           summarize)
@@ -45,9 +46,14 @@ MODEL = "random-llama3-8b"
 BUCKETS = ((1, 1), (2, 15), (16, 31), (32, 63), (64, 1 << 30))
 
 
+def _pythonpath() -> str:
+    """This checkout first, then whatever the caller had (e.g. a folder of extra packages)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def sh(cmd: list[str], timeout: float) -> dict[str, Any]:
     """Run a helper script; its last stdout line is JSON."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=_pythonpath())
     done = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -60,7 +66,7 @@ class Server:
     def __init__(self, model_dir: str, port: int, extra: list[str]):
         self.log = Path(tempfile.mkdtemp()) / "server.log"
         self.url = f"http://127.0.0.1:{port}"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=_pythonpath())
         cmd = [sys.executable, "-m", "spanserve.cli", "serve", "--model", model_dir, "--port", str(port),
                "--served-model-name", MODEL, *extra]
         print("$ spanserve serve " + " ".join(cmd[4:]), flush=True)
