@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # this checkout's spanserve
 from common import format_table, write_json  # noqa: E402
 from serving_load import (RagShape, Request, chat_requests, rag_corpus, rag_requests, run_load,  # noqa: E402
                           summarize)
@@ -45,9 +46,14 @@ MODEL = "random-llama3-8b"
 BUCKETS = ((1, 1), (2, 15), (16, 31), (32, 63), (64, 1 << 30))
 
 
+def _pythonpath() -> str:
+    """This checkout first, then whatever the caller had (e.g. a folder of extra packages)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def sh(cmd: list[str], timeout: float) -> dict[str, Any]:
     """Run a helper script; its last stdout line is JSON."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=_pythonpath())
     done = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -60,7 +66,7 @@ class Server:
     def __init__(self, model_dir: str, port: int, extra: list[str]):
         self.log = Path(tempfile.mkdtemp()) / "server.log"
         self.url = f"http://127.0.0.1:{port}"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=_pythonpath())
         cmd = [sys.executable, "-m", "spanserve.cli", "serve", "--model", model_dir, "--port", str(port),
                "--served-model-name", MODEL, *extra]
         print("$ spanserve serve " + " ".join(cmd[4:]), flush=True)
@@ -222,7 +228,7 @@ def offline(a: argparse.Namespace, sat: list[Request], warm: list[Request]) -> d
         (tmp / name).write_text(json.dumps([asdict(r) for r in reqs]))
     return sh([str(HERE / "serving_offline.py"), str(a.model_dir), "--requests", str(tmp / "sat.json"),
                "--warmup", str(tmp / "warm.json"), "--max-num-seqs", str(a.max_num_seqs),
-               *(["--kv-cache-memory", a.kv_cache_memory] if a.kv_cache_memory else [])], timeout=max(a.reserve, 60))
+               *(["--kv-cache-memory", a.kv_cache_memory] if a.kv_cache_memory else [])], timeout=a.reserve + 40)
 
 
 def report(r: dict[str, Any]) -> None:
@@ -292,14 +298,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--slo", type=float, default=None, help="p99 TTFT bound (s) for the sustained RAG rate")
     ap.add_argument("--no-rag", action="store_true")
     ap.add_argument("--no-offline", action="store_true")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for everything; later RAG rates are skipped")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for everything (440); RAG rates that would start later are skipped")
     ap.add_argument("--reserve", type=float, default=None, help="seconds kept for the offline run")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     gpu = dict(model_dir=Path("/tmp/spanserve-serving-8b"), chat_in=250.0, chat_out=200.0, chat_rates=[6.0, 18.0],
                chat_saturation=192, chat_warmup=96, duration=10.0, rag_docs=32, rag_doc_tokens=(1000, 3000),
                rag_per_request=(4, 8), rag_out=32, span_rates=[2.0, 4.0, 8.0, 16.0, 32.0, 64.0],
-               plain_rates=[0.5, 1.0, 2.0, 4.0], slo=2.0, budget=480.0, reserve=100.0, out="serving.json")
+               plain_rates=[0.5, 1.0, 2.0, 4.0], slo=2.0, budget=440.0, reserve=110.0, out="serving.json")
     dry = dict(model_dir=Path(tempfile.gettempdir()) / "spanserve-serving-tiny", chat_in=24.0, chat_out=12.0,
                chat_rates=[2.0], chat_saturation=8, chat_warmup=4, duration=2.0, rag_docs=6, rag_doc_tokens=(30, 90),
                rag_per_request=(2, 4), rag_out=4, span_rates=[1.0, 2.0], plain_rates=[1.0], slo=30.0, budget=150.0,
