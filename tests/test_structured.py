@@ -124,6 +124,14 @@ def test_preemption_feeds_each_token_once(model_dir: Path) -> None:
     assert small.pool.num_free == small.pool.num_blocks
 
 
+def test_unsatisfiable_schema_ends_instead_of_sampling_from_nothing(engine: LLMEngine) -> None:
+    schema = {"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]}
+    outs = run(engine, [("x", SamplingParams(max_tokens=30, seed=s, response_format=json_schema_format(schema)))
+                        for s in range(2)])
+    for out in outs.values():
+        assert out.finish_reason == "stop" and out.token_ids[-1] in engine.eos_token_ids
+
+
 def test_abort_frees_the_matcher(engine: LLMEngine) -> None:
     req = engine.add_request("x", SamplingParams(max_tokens=50, response_format={"type": "json_object"}))
     engine.step()

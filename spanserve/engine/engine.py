@@ -300,9 +300,9 @@ class LLMEngine:
         """Feed tok to the request's grammar; True once the grammar has ended (its stop token
         was accepted: with ignore_eos the request must still stop there)."""
         if not self.grammars.advance(req.request_id, tok):
-            # The mask allowed only tokens the grammar accepts, so this is a bug; end the
-            # request rather than emit output that breaks the format.
-            log.error("request %s: grammar refused sampled token %d", req.request_id, tok)
+            # Masks allow only tokens the grammar accepts, except EOS at a dead end of an
+            # unsatisfiable schema; either way nothing valid can follow: end the request.
+            log.warning("request %s: its grammar refused token %d; ending it", req.request_id, tok)
             return True
         return self.grammars.finished(req.request_id)
 

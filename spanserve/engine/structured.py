@@ -66,7 +66,11 @@ def parse_response_format(value: Any) -> JsonFormat | None:
                                   f"got {schema!r}")
     if strict is not None and not isinstance(strict, bool):
         raise ResponseFormatError(f"response_format.json_schema.strict must be a boolean, got {strict!r}")
-    return JsonFormat(json.dumps(schema, separators=SEPARATORS), name)
+    try:
+        text = json.dumps(schema, separators=SEPARATORS, allow_nan=False)
+    except (TypeError, ValueError) as e:  # only reachable from Python: JSON bodies always serialize
+        raise ResponseFormatError(f"response_format.json_schema.schema is not JSON: {e}") from e
+    return JsonFormat(text, name)
 
 
 @dataclass
@@ -106,6 +110,7 @@ class Grammars:
         self._compiler: Any = None
         self._matchers: dict[str, Any] = {}
         self._bitmask: torch.Tensor | None = None  # host buffer, grown to the largest batch seen
+        self._eos_only = _row_allowing(self.eos_token_ids, vocab_size)
 
     @property
     def live(self) -> int:
@@ -123,7 +128,7 @@ class Grammars:
                 return compiler.compile_json_schema('{"type":"object"}', any_whitespace=False,
                                                     separators=SEPARATORS, strict_mode=False)
             return compiler.compile_json_schema(fmt.schema, any_whitespace=False, separators=SEPARATORS)
-        except (RuntimeError, ValueError) as e:
+        except Exception as e:  # whatever the compiler raises on a user's schema is the schema's refusal
             reason = _CPP_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else "")
             raise ResponseFormatError(f"response_format.json_schema.schema is not a usable JSON Schema: "
                                       f"{reason or type(e).__name__}") from e
@@ -149,6 +154,11 @@ class Grammars:
             self._bitmask = buf
         for i in rows:
             self._matchers[request_ids[i]].fill_next_token_bitmask(buf, i)
+            if not bool(buf[i].any()):
+                # A dead end: the schema has no value that continues this output (e.g. an
+                # empty anyOf). Allow only EOS, which ends the request, rather than sample from
+                # a row of -inf.
+                buf[i] = self._eos_only
         # The copy is awaited by the sampler's own reads before this buffer is refilled.
         return TokenMask(rows, buf[: len(request_ids)].to(device, non_blocking=True))
 
@@ -170,3 +180,12 @@ class Grammars:
                                                            stop_token_ids=self.eos_token_ids)
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         return self._compiler
+
+
+def _row_allowing(tokens: list[int], vocab_size: int) -> torch.Tensor:
+    """One bitmask row [ceil(V/32)] int32 with exactly `tokens` allowed."""
+    words = [0] * ((vocab_size + 31) // 32)
+    for t in tokens:
+        if 0 <= t < vocab_size:
+            words[t // 32] |= 1 << (t % 32)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
