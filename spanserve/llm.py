@@ -17,6 +17,16 @@ class LLM:
                  **engine_args: Any):
         self.engine = LLMEngine(model=model, device=device, dtype=dtype, block_size=block_size, **engine_args)
 
+    def close(self) -> None:
+        """Finish writes to the KV tiers below the pool (kv_offload), if any."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer

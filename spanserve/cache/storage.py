@@ -56,3 +56,23 @@ class KVStorage:
         for t in (self.k, self.v):
             flat = t.view(t.shape[0], -1, *t.shape[3:])
             flat[:, idx_t[1]] = flat[:, idx_t[0]]
+
+    def read_blocks(self, ids: list[int], out: torch.Tensor) -> None:
+        """Copy whole blocks into `out` [n, 2, L, bs, KVH, D] (host memory: pinned makes it async
+        on CUDA; the caller waits on the stream before reading it)."""
+        idx = torch.tensor(ids, device=self.k.device)
+        kv = torch.stack((self.k[:, idx], self.v[:, idx])).permute(2, 0, 1, 3, 4, 5)  # [n, 2, L, ...]
+        out.copy_(kv, non_blocking=out.is_pinned())
+
+    def write_blocks(self, ids: list[int], kvs: list[torch.Tensor]) -> None:
+        """Fill whole blocks from host tensors [2, L, bs, KVH, D] each: one async copy per block
+        into a device buffer (pinned sources make these plain DMA), then one scatter per tensor."""
+        if not ids:
+            return
+        dev = self.k.device
+        buf = torch.empty((len(ids), *kvs[0].shape), dtype=self.k.dtype, device=dev)
+        for i, kv in enumerate(kvs):
+            buf[i].copy_(kv, non_blocking=kv.is_pinned())
+        idx = torch.tensor(ids, device=dev)
+        self.k[:, idx] = buf[:, 0].transpose(0, 1)
+        self.v[:, idx] = buf[:, 1].transpose(0, 1)

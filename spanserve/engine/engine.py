@@ -13,6 +13,8 @@ from spanserve.attention.reference import ReferenceBackend
 from spanserve.cache.block_pool import BlockPool
 from spanserve.cache.manager import CacheManager
 from spanserve.cache.storage import KVStorage, bytes_per_block
+from spanserve.cache.tiers import BlockShape, OffloadConfig, model_fingerprint
+from spanserve.cache.tiers.stack import TierStack
 from spanserve.engine.layout import Segment, checked_many, checked_tokens, resolve
 from spanserve.engine.detokenize import IncrementalText
 from spanserve.engine.outputs import RequestOutput, find_stop
@@ -52,6 +54,7 @@ class LLMEngine:
         pin_fraction: float = 0.5,
         reposition: str = "deferred",
         cuda_graphs: "bool | str" = "auto",
+        kv_offload: "OffloadConfig | dict | None" = None,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -68,6 +71,10 @@ class LLMEngine:
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device)
+        offload = OffloadConfig.of(kv_offload)
+        fingerprint = None
+        if offload is not None and offload.enabled:
+            fingerprint = model_fingerprint(loaded.config, loaded.weights, self.dtype, block_size)
         del loaded
         per_block = bytes_per_block(self.config, block_size, self.dtype)
         if num_blocks is None:
@@ -76,9 +83,15 @@ class LLMEngine:
         if num_blocks < 2:
             raise ValueError(f"KV pool of {num_blocks} blocks is too small; raise kv_cache_memory or num_blocks")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
         self.storage = KVStorage(self.config, num_blocks, block_size, self.dtype, self.device)
-        self.manager = CacheManager(self.pool, self.storage, block_size, reposition, self.model.rotary)
+        # KV tiers below the pool (host memory, disk, a remote store), if configured
+        self.tiers: TierStack | None = None
+        if fingerprint is not None:
+            c = self.config
+            shape = BlockShape(c.num_layers, block_size, c.num_kv_heads, c.head_dim, self.dtype)
+            self.tiers = TierStack(offload, self.storage, shape, fingerprint)
+        self.pool = BlockPool(num_blocks, on_evict=self.tiers.on_evict if self.tiers else None)
+        self.manager = CacheManager(self.pool, self.storage, block_size, reposition, self.model.rotary, self.tiers)
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
         # cuda_graphs: decode steps replay CUDA graphs on a GPU with the Triton backend ("auto");
         # False runs every step eagerly (vLLM's enforce_eager)
@@ -90,6 +103,12 @@ class LLMEngine:
         self._ids = itertools.count()
         self.counters = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0, "preemptions": 0,
                          "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+
+    def close(self) -> None:
+        """Finish the tiers' queued writes (a disk tier also keeps what the pool holds, for the
+        next start). The engine is not used afterwards."""
+        if self.tiers is not None:
+            self.tiers.close(self.pool)
 
     def _default_kv_memory(self) -> int:
         if self.device.type == "cuda":
@@ -269,8 +288,8 @@ class LLMEngine:
     def _finish_output(self, req: Request) -> RequestOutput:
         self.requests.pop(req.request_id, None)
         self.counters["requests_finished"] += 1
-        for k in ("prefix", "perforated", "segment", "computed"):
-            self.counters[k] += req.reuse[k]
+        for k, n in req.reuse.items():  # the reuse kinds, and tokens loaded per tier if any
+            self.counters[k] = self.counters.get(k, 0) + n
         return self._output(req)
 
     def _output(self, req: Request) -> RequestOutput:
