@@ -63,7 +63,7 @@ class TierStack:
     # ---- writes (engine thread) -----------------------------------------------------------
     def on_evict(self, block: Block) -> None:
         """A cached block is about to be overwritten: keep a copy below if it is a full block."""
-        if (self.host or self.disk) and block.parent is None and len(block.tokens) == self.shape.block_size:
+        if (self.host is not None or self.disk is not None) and block.parent is None and len(block.tokens) == self.shape.block_size:
             self._enqueue("local", [block])
 
     def write_through(self, blocks: Sequence[Block]) -> None:
