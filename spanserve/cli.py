@@ -13,6 +13,24 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=_size, default=None,
                    help="bytes for the KV pool, e.g. 1073741824, 512MiB or 2GB (default: 1 GiB on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=64)
+    t = p.add_argument_group("KV tiers below the pool (off by default; see docs/tiers.md)")
+    t.add_argument("--kv-offload-cpu", type=_size, default=0, metavar="SIZE",
+                   help="host memory for evicted KV blocks, e.g. 8GiB")
+    t.add_argument("--kv-offload-disk", default=None, metavar="PATH",
+                   help="directory for KV blocks spilled from host memory; kept across restarts")
+    t.add_argument("--kv-offload-disk-size", type=_size, default="100GiB", metavar="SIZE")
+    t.add_argument("--kv-store", default=None, metavar="URL",
+                   help="shared Redis/Valkey store for segment blocks, e.g. redis://127.0.0.1:6379/0")
+    t.add_argument("--kv-store-timeout-ms", type=float, default=50.0,
+                   help="per batch round trip to the store; slower is a miss")
+
+
+def _offload(args: argparse.Namespace) -> "dict | None":
+    if not (args.kv_offload_cpu or args.kv_offload_disk or args.kv_store):
+        return None
+    return {"cpu_bytes": args.kv_offload_cpu, "disk_path": args.kv_offload_disk,
+            "disk_bytes": args.kv_offload_disk_size, "store_url": args.kv_store,
+            "store_timeout_ms": args.kv_store_timeout_ms}
 
 
 def _size(text: str) -> int:
@@ -31,19 +49,20 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
         device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, default_policy=args.default_policy,
-        max_queued_requests=args.max_queued_requests, log_level=args.log_level))
+        max_queued_requests=args.max_queued_requests, log_level=args.log_level, kv_offload=_offload(args)))
 
 
 def _generate(args: argparse.Namespace) -> int:
     from spanserve import LLM, SamplingParams
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-              kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs)
+              kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs, kv_offload=_offload(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
         out = llm.generate(args.prompt, params)[0]
+    llm.close()
     print(out.text)
     return 0
 

@@ -43,6 +43,7 @@ class ServeOptions:
     # Requests that may wait beyond the running batch before new ones get 429.
     max_queued_requests: int = 1024
     log_level: str = "info"
+    kv_offload: dict | None = None  # cache.tiers.OffloadConfig fields; None: no tiers below the pool
 
 
 def serve(opts: ServeOptions) -> int:
@@ -62,7 +63,8 @@ def serve(opts: ServeOptions) -> int:
     t0 = time.monotonic()
     engine = LLMEngine(model=opts.model, device=opts.device, dtype=opts.dtype, block_size=opts.block_size,
                        kv_cache_memory=opts.kv_cache_memory, max_num_seqs=opts.max_num_seqs,
-                       max_model_len=opts.max_model_len, default_policy=opts.default_policy)
+                       max_model_len=opts.max_model_len, default_policy=opts.default_policy,
+                       kv_offload=opts.kv_offload)
     c = engine.config
     log.info("model loaded in %.1f s: %s, %d layers, hidden %d, vocab %d", time.monotonic() - t0,
              c.arch, c.num_layers, c.hidden_size, c.vocab_size)
@@ -70,6 +72,8 @@ def serve(opts: ServeOptions) -> int:
     mib = blocks * bytes_per_block(c, engine.block_size, engine.dtype) / 2**20
     log.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB); max model len %d; default policy %s",
              blocks, engine.block_size, blocks * engine.block_size, mib, engine.max_model_len, opts.default_policy)
+    if engine.tiers is not None:
+        log.info("KV tiers below the pool: %s", ", ".join(t.name for t in engine.tiers.tiers))
     app = create_app(engine, config)
     url = f"http://{opts.host}:{opts.port}"
     log.info("serving %r at %s/v1 (metrics at %s/metrics)", name, url, url)
