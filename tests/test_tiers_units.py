@@ -48,6 +48,9 @@ def test_payload_round_trip_and_every_defect_is_refused():
         payload.decode(data, 999, SHAPE, FP)
     with pytest.raises(payload.BadPayload, match="another model"):
         payload.decode(data, 12345, SHAPE, bytes(16))
+    tail = BlockKV(77, (5, 6), b.kv, parent=12345)  # a partial block keeps its parent
+    assert _same(payload.decode(payload.encode(tail, SHAPE, FP), 77, SHAPE, FP), tail)
+    assert payload.decode(payload.encode(tail, SHAPE, FP), 77, SHAPE, FP).parent == 12345
     other = BlockShape(2, 4, 2, 8, torch.float16)
     with pytest.raises(payload.BadPayload, match="shape"):
         payload.decode(payload.encode(BlockKV(1, b.tokens, b.kv.to(torch.float16)), other, FP), 1, SHAPE, FP)

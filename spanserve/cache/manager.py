@@ -160,7 +160,8 @@ class CacheManager:
         units = self._units(req, req.current_pieces())
         loaded = None
         if self.tiers is not None:  # what tiers hold becomes ordinary pool hits before planning
-            loaded = self.tiers.fill(self.pool, [(u.keys, u.tokens) for v in units for u in (v, v.source) if u])
+            loaded = self.tiers.fill(self.pool, [(u.seed, u.keys, u.tokens, u.tail_key)
+                                                 for v in units for u in (v, v.source) if u])
         plans = [self._plan_unit(u.seed, u.tokens, u.keys, u.final, u.packed, u.tail_key) for u in units]
         sources: list[Unit] = []
         if any(u.source is not None for u in units) and not _all_hit(units, plans, self.block_size):
@@ -350,8 +351,9 @@ class CacheManager:
                 if n == bs:
                     if self.pool.register(u.blocks[i], u.keys[i], toks) is u.blocks[i] and u.plus:
                         through.append(u.blocks[i])
-                else:
-                    self.pool.register(u.blocks[i], hashing.block_key(parent, toks), toks, parent=parent)
+                elif self.pool.register(u.blocks[i], hashing.block_key(parent, toks), toks,
+                                        parent=parent) is u.blocks[i] and u.plus:
+                    through.append(u.blocks[i])
             u.fresh = keep
         if through and self.tiers is not None:
             self.tiers.write_through(through)

@@ -105,6 +105,14 @@ class DiskTier(Tier):
         self.stats.add(bytes_in=nbytes, errors=errors)
         return []
 
+    def clear(self) -> None:
+        """Delete every block this tier holds."""
+        with self._lock:
+            keys = list(self._files)
+            self._files.clear()
+        for k in keys:
+            self._path(k).unlink(missing_ok=True)
+
     def _trim(self) -> None:
         while True:
             with self._lock:

@@ -15,8 +15,9 @@ import xxhash
 
 MAGIC = b"SSKV"
 VERSION = 1
-# magic, version, dtype code, layers, block size, kv heads, head dim, fingerprint, key
-_HEADER = struct.Struct("<4sHHIIII16s16s")
+# magic, version, dtype code, layers, block size, kv heads, head dim, fingerprint, key,
+# tokens held (a partial block holds fewer than the block size), has a parent, parent key
+_HEADER = struct.Struct("<4sHHIIII16s16sIB16s")
 _CHECKSUM = struct.Struct("<Q")
 _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
@@ -46,12 +47,14 @@ class BlockShape:
 
 @dataclass(frozen=True)
 class BlockKV:
-    """A full block away from the pool: its chain key, its tokens (compared on load, as a pool
-    hit compares them) and its K and V on the host, shaped `BlockShape.dims`."""
+    """A block away from the pool: its chain key, its tokens (compared on load, as a pool hit
+    compares them), its K and V on the host shaped `BlockShape.dims` (slots past the tokens are
+    unused), and for a partial block the key of the chain it extends (the pool indexes it so)."""
 
     key: int
     tokens: tuple[int, ...]
     kv: torch.Tensor
+    parent: int | None = None
 
 
 class BadPayload(ValueError):
@@ -61,9 +64,14 @@ class BadPayload(ValueError):
 def encode(block: BlockKV, shape: BlockShape, fingerprint: bytes) -> bytes:
     if tuple(block.kv.shape) != shape.dims or block.kv.dtype != shape.dtype:
         raise ValueError(f"block KV is {tuple(block.kv.shape)} {block.kv.dtype}, expected {shape.dims} {shape.dtype}")
+    n = len(block.tokens)
+    if not 0 < n <= shape.block_size:
+        raise ValueError(f"a block holds 1..{shape.block_size} tokens, got {n}")
+    parent = (block.parent or 0).to_bytes(16, "little")
     header = _HEADER.pack(MAGIC, VERSION, _DTYPES[shape.dtype], shape.num_layers, shape.block_size,
-                          shape.num_kv_heads, shape.head_dim, fingerprint, block.key.to_bytes(16, "little"))
-    toks = np.asarray(block.tokens, "<i4").tobytes()
+                          shape.num_kv_heads, shape.head_dim, fingerprint, block.key.to_bytes(16, "little"),
+                          n, block.parent is not None, parent)
+    toks = np.asarray(tuple(block.tokens) + (0,) * (shape.block_size - n), "<i4").tobytes()
     kv = block.kv.contiguous().view(torch.uint8).numpy().tobytes()
     body = b"".join((header, toks, kv))
     return body + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
@@ -77,7 +85,7 @@ def decode(data: bytes, key: int, shape: BlockShape, fingerprint: bytes) -> Bloc
     body, tail = view[: -_CHECKSUM.size], view[-_CHECKSUM.size:]
     if xxhash.xxh3_64_intdigest(body) != _CHECKSUM.unpack(tail)[0]:
         raise BadPayload("checksum mismatch")
-    magic, version, dtype, layers, bs, kvh, dim, fp, stored_key = _HEADER.unpack_from(view)
+    magic, version, dtype, layers, bs, kvh, dim, fp, stored_key, n, has_parent, parent = _HEADER.unpack_from(view)
     if magic != MAGIC or version != VERSION:
         raise BadPayload(f"format {magic!r} v{version}, expected {MAGIC!r} v{VERSION}")
     if (dtype, layers, bs, kvh, dim) != (_DTYPES[shape.dtype], shape.num_layers, shape.block_size,
@@ -87,8 +95,11 @@ def decode(data: bytes, key: int, shape: BlockShape, fingerprint: bytes) -> Bloc
         raise BadPayload("written by another model")
     if int.from_bytes(stored_key, "little") != key:
         raise BadPayload("stored under another key")
+    if not 0 < n <= bs:
+        raise BadPayload(f"holds {n} tokens")
     at = _HEADER.size
-    tokens = tuple(np.frombuffer(view[at: at + 4 * bs], "<i4").tolist())
+    tokens = tuple(np.frombuffer(view[at: at + 4 * n], "<i4").tolist())
     at += 4 * bs
     raw = torch.frombuffer(bytearray(view[at: at + shape.kv_bytes]), dtype=torch.uint8)
-    return BlockKV(key, tokens, raw.view(shape.dtype).view(shape.dims))
+    return BlockKV(key, tokens, raw.view(shape.dtype).view(shape.dims),
+                   int.from_bytes(parent, "little") if has_parent else None)

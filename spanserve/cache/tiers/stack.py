@@ -62,8 +62,8 @@ class TierStack:
 
     # ---- writes (engine thread) -----------------------------------------------------------
     def on_evict(self, block: Block) -> None:
-        """A cached block is about to be overwritten: keep a copy below if it is a full block."""
-        if (self.host is not None or self.disk is not None) and block.parent is None and len(block.tokens) == self.shape.block_size:
+        """A cached block is about to be overwritten: keep a copy below."""
+        if self.host is not None or self.disk is not None:
             self._enqueue("local", [block])
 
     def write_through(self, blocks: Sequence[Block]) -> None:
@@ -78,7 +78,7 @@ class TierStack:
                 return
             self._queued += len(blocks)
         kv, ready = self._capture(blocks)
-        self._jobs.put(_Job(dest, [BlockKV(b.key, b.tokens, kv[i]) for i, b in enumerate(blocks)], ready))
+        self._jobs.put(_Job(dest, [_kv_of(b, kv[i]) for i, b in enumerate(blocks)], ready))
 
     def _capture(self, blocks: Sequence[Block]) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
         out = torch.empty((len(blocks), *self.shape.dims), dtype=self.shape.dtype, pin_memory=self._cuda)
@@ -124,20 +124,27 @@ class TierStack:
         return done.wait(timeout)
 
     # ---- lookup and load (engine thread) ----------------------------------------------------
-    def fill(self, pool: BlockPool, chains: Sequence[tuple[Sequence[int], Sequence[int]]]) -> Counter[str]:
-        """Every full block of `chains` ((keys, tokens) per unit) missing from the pool is asked of
-        the tiers in one batch each, nearest first; what they hold is loaded into free pool blocks
-        and published there, so admission finds it as ordinary hits and computes only the holes.
-        Returns tokens loaded per tier."""
+    def fill(self, pool: BlockPool, chains: Sequence[tuple[int, Sequence[int], Sequence[int], int | None]]) -> Counter[str]:
+        """Every block of `chains` ((seed, full-block keys, tokens, partial tail's key) per unit)
+        missing from the pool is asked of the tiers in one batch each, nearest first; what they
+        hold is loaded into free pool blocks and published there, so admission finds it as
+        ordinary hits and computes only the holes. Returns tokens loaded per tier."""
         bs = self.shape.block_size
-        want: dict[int, tuple[int, ...]] = {}
+        want: dict[int, tuple[tuple[int, ...], int | None]] = {}  # key -> (tokens, parent if partial)
         held: list[Block] = []
-        for keys, tokens in chains:
+        for seed, keys, tokens, tail_key in chains:
             for i, (k, b) in enumerate(zip(keys, pool.lookup_chain(keys, tokens, bs))):
                 if b is not None:
                     held.append(b)
                 elif k not in want:
-                    want[k] = tuple(tokens[i * bs:(i + 1) * bs])
+                    want[k] = (tuple(tokens[i * bs:(i + 1) * bs]), None)
+            if tail_key is not None:
+                tail = tuple(tokens[len(keys) * bs:])
+                b = pool.lookup(tail_key, tail)
+                if b is not None:
+                    held.append(b)
+                elif tail_key not in want:
+                    want[tail_key] = (tail, keys[-1] if keys else seed)
         if not want:
             return Counter()
         pool.acquire_many(held)  # this layout's own hits must not be evicted to make room for loads
@@ -146,17 +153,17 @@ class TierStack:
             blocks = [pool.allocate() for _ in found]
             self.storage.write_blocks([b.id for b in blocks], [kv.kv for _, kv in found])
             for blk, (_, kv) in zip(blocks, found):
-                pool.register(blk, kv.key, kv.tokens)
+                pool.register(blk, kv.key, kv.tokens, parent=kv.parent)
             pool.release_many(blocks)
         finally:
             pool.release_many(held)
         loaded = Counter({name: 0 for name, _ in found})
-        for name, _ in found:
-            loaded[name] += bs
+        for name, kv in found:
+            loaded[name] += len(kv.tokens)
         self.served.update(loaded)
         return loaded
 
-    def _load(self, want: dict[int, tuple[int, ...]], room: int) -> list[tuple[str, BlockKV]]:
+    def _load(self, want: dict[int, tuple[tuple[int, ...], int | None]], room: int) -> list[tuple[str, BlockKV]]:
         found: list[tuple[str, BlockKV]] = []
         left = list(want)
         for tier in self.tiers:
@@ -165,7 +172,7 @@ class TierStack:
             rest = []
             for k, b in zip(left, tier.load_many(left)):
                 # the tokens are compared as a pool hit compares them: a key collision is a miss
-                if b is not None and b.tokens == want[k]:
+                if b is not None and (b.tokens, b.parent) == want[k]:
                     found.append((tier.name, b))
                 else:
                     rest.append(k)
@@ -184,17 +191,21 @@ class TierStack:
             if self.host is not None:
                 self.disk.store_many(self.host.drain())
             if pool is not None:
-                full = [b for b in pool.blocks if b.key is not None and b.parent is None
-                        and len(b.tokens) == self.shape.block_size]
-                for lo in range(0, len(full), _PERSIST_BATCH):
-                    part = full[lo: lo + _PERSIST_BATCH]
+                cached = [b for b in pool.blocks if b.key is not None]
+                for lo in range(0, len(cached), _PERSIST_BATCH):
+                    part = cached[lo: lo + _PERSIST_BATCH]
                     kv, ready = self._capture(part)
                     if ready is not None:
                         ready.synchronize()
-                    self.disk.store_many([BlockKV(b.key, b.tokens, kv[i]) for i, b in enumerate(part)])
+                    self.disk.store_many([_kv_of(b, kv[i]) for i, b in enumerate(part)])
         for t in self.tiers:
             t.close()
 
     def stats(self) -> dict:
         return {"tiers": {t.name: t.stats.snapshot() for t in self.tiers}, "dropped_writebacks": self.dropped,
                 "queued_writebacks": self._queued, "served_tokens": dict(self.served)}
+
+
+def _kv_of(block: Block, kv: torch.Tensor) -> BlockKV:
+    assert block.key is not None
+    return BlockKV(block.key, block.tokens, kv, block.parent)
