@@ -150,3 +150,20 @@ def test_evicted_blocks_are_written_back_and_spill_to_disk(loaded, tmp_path):
         r = again.metrics["reuse"]
         assert r["disk"] > 0 and r["prefix"] == 39 and r["computed"] == 1  # every block came back
         assert llm.engine.tiers.dropped == 0
+
+
+def test_cli_refuses_bad_tier_settings(tmp_path, capsys):
+    path, _ = make_tiny_model("llama", tmp_path / "m")
+    from spanserve.cli import main
+
+    base = ["generate", "hello", "--model", str(path), "--max-tokens", "2"]
+    with pytest.raises(SystemExit):  # argparse's own usage error
+        main(base + ["--kv-offload-cpu", "lots"])
+    assert "not a size" in capsys.readouterr().err
+    assert main(base + ["--kv-store", f"redis://127.0.0.1:{free_port()}/0"]) == 2
+    assert "unreachable" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(base + ["--kv-offload-disk", str(blocker / "kv")]) == 2
+    assert "not writable" in capsys.readouterr().err
+    assert main(base + ["--kv-offload-cpu", "1MiB", "--kv-offload-disk", str(tmp_path / "kv")]) == 0

@@ -160,7 +160,7 @@ class CacheManager:
         units = self._units(req, req.current_pieces())
         loaded = None
         if self.tiers is not None:  # what tiers hold becomes ordinary pool hits before planning
-            loaded = self.tiers.fill(self.pool, [(u.seed, u.keys, u.tokens, u.tail_key)
+            loaded = self.tiers.fill(self.pool, [(u.seed, u.keys, u.tokens, u.tail_key, u.final)
                                                  for v in units for u in (v, v.source) if u])
         plans = [self._plan_unit(u.seed, u.tokens, u.keys, u.final, u.packed, u.tail_key) for u in units]
         sources: list[Unit] = []

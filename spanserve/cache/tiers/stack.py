@@ -124,42 +124,44 @@ class TierStack:
         return done.wait(timeout)
 
     # ---- lookup and load (engine thread) ----------------------------------------------------
-    def fill(self, pool: BlockPool, chains: Sequence[tuple[int, Sequence[int], Sequence[int], int | None]]) -> Counter[str]:
-        """Every block of `chains` ((seed, full-block keys, tokens, partial tail's key) per unit)
-        missing from the pool is asked of the tiers in one batch each, nearest first; what they
-        hold is loaded into free pool blocks and published there, so admission finds it as
-        ordinary hits and computes only the holes. Returns tokens loaded per tier."""
+    def fill(self, pool: BlockPool, chains: Sequence[tuple[int, Sequence[int], Sequence[int], int | None, bool]]
+             ) -> Counter[str]:
+        """Every block of `chains` ((seed, full-block keys, tokens, partial tail's key, extended)
+        per unit) missing from the pool is asked of the tiers in one batch each, nearest first;
+        what they hold is loaded into free pool blocks and published there, so admission finds it
+        as ordinary hits and computes only the holes. Returns the tokens each tier served (an
+        `extended` unit's last block serves all but its last token: generation recomputes it)."""
         bs = self.shape.block_size
         want: dict[int, tuple[tuple[int, ...], int | None]] = {}  # key -> (tokens, parent if partial)
+        serves: dict[int, int] = {}  # key -> tokens it serves
         held: list[Block] = []
-        for seed, keys, tokens, tail_key in chains:
-            for i, (k, b) in enumerate(zip(keys, pool.lookup_chain(keys, tokens, bs))):
-                if b is not None:
-                    held.append(b)
-                elif k not in want:
-                    want[k] = (tuple(tokens[i * bs:(i + 1) * bs]), None)
+        for seed, keys, tokens, tail_key, extended in chains:
+            hits = pool.lookup_chain(keys, tokens, bs)
+            blocks = [(k, tuple(tokens[i * bs:(i + 1) * bs]), None, hits[i]) for i, k in enumerate(keys)]
             if tail_key is not None:
                 tail = tuple(tokens[len(keys) * bs:])
-                b = pool.lookup(tail_key, tail)
-                if b is not None:
-                    held.append(b)
-                elif tail_key not in want:
-                    want[tail_key] = (tail, keys[-1] if keys else seed)
+                blocks.append((tail_key, tail, keys[-1] if keys else seed, pool.lookup(tail_key, tail)))
+            for j, (k, toks, parent, hit) in enumerate(blocks):
+                if hit is not None:
+                    held.append(hit)
+                elif k not in want:
+                    want[k] = (toks, parent)
+                    serves[k] = len(toks) - (extended and j == len(blocks) - 1)
         if not want:
             return Counter()
         pool.acquire_many(held)  # this layout's own hits must not be evicted to make room for loads
         try:
             found = self._load(want, pool.num_free)
-            blocks = [pool.allocate() for _ in found]
-            self.storage.write_blocks([b.id for b in blocks], [kv.kv for _, kv in found])
-            for blk, (_, kv) in zip(blocks, found):
+            blocks_in = [pool.allocate() for _ in found]
+            self.storage.write_blocks([b.id for b in blocks_in], [kv.kv for _, kv in found])
+            for blk, (_, kv) in zip(blocks_in, found):
                 pool.register(blk, kv.key, kv.tokens, parent=kv.parent)
-            pool.release_many(blocks)
+            pool.release_many(blocks_in)
         finally:
             pool.release_many(held)
-        loaded = Counter({name: 0 for name, _ in found})
+        loaded: Counter[str] = Counter()
         for name, kv in found:
-            loaded[name] += len(kv.tokens)
+            loaded[name] += serves[kv.key]
         self.served.update(loaded)
         return loaded
 
