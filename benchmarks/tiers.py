@@ -81,9 +81,9 @@ class Bench:
         per_block = bytes_per_block(c, BS, dtype)
         self.doc_blocks = args.n * -(-args.doc_len // BS)
         request_blocks = args.n * -(-args.doc_len // BS) + -(-(args.question_len + 16) // BS) + 4
-        offload = {"cpu_bytes": (self.doc_blocks + 8) * per_block, "store_url": store_url,
+        offload = {"cpu_bytes": (self.doc_blocks + 64) * per_block, "store_url": store_url,
                    "disk_path": disk_dir if "disk" in args.tiers else None,
-                   "disk_bytes": 2 * (self.doc_blocks + 8) * per_block}
+                   "disk_bytes": 2 * (self.doc_blocks + 64) * per_block}
         extra: dict[str, Any] = {}
         if device == "cuda":
             from spanserve.attention.triton import TritonBackend

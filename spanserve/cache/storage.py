@@ -60,9 +60,10 @@ class KVStorage:
     def read_blocks(self, ids: list[int], out: torch.Tensor) -> None:
         """Copy whole blocks into `out` [n, 2, L, bs, KVH, D] (host memory: pinned makes it async
         on CUDA; the caller waits on the stream before reading it)."""
-        idx = torch.tensor(ids, device=self.k.device)
-        kv = torch.stack((self.k[:, idx], self.v[:, idx])).permute(2, 0, 1, 3, 4, 5)  # [n, 2, L, ...]
-        out.copy_(kv, non_blocking=out.is_pinned())
+        for lo in range(0, len(ids), _WRITE_CHUNK):  # bounds the device buffer
+            idx = torch.tensor(ids[lo: lo + _WRITE_CHUNK], device=self.k.device)
+            kv = torch.stack((self.k[:, idx], self.v[:, idx])).permute(2, 0, 1, 3, 4, 5)  # [n, 2, L, ...]
+            out[lo: lo + len(idx)].copy_(kv, non_blocking=out.is_pinned())
 
     def write_blocks(self, ids: list[int], kvs: list[torch.Tensor]) -> None:
         """Fill whole blocks from host tensors [2, L, bs, KVH, D] each: one async copy per block
@@ -78,4 +79,4 @@ class KVStorage:
             self.v[:, idx] = buf[:, 1].transpose(0, 1)
 
 
-_WRITE_CHUNK = 256  # blocks per device buffer in write_blocks (512 MiB for an 8B model in bf16)
+_WRITE_CHUNK = 256  # blocks per device buffer in read_blocks and write_blocks (512 MiB for an 8B model in bf16)
