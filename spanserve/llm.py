@@ -36,13 +36,16 @@ class LLM:
         self.engine = LLMEngine(model=model, block_size=block_size, **args)
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel worker processes (also done at interpreter exit)."""
+        """Stop tensor-parallel worker processes (also done at interpreter exit) and finish writes
+        to the KV tiers below the pool (kv_offload), if any."""
         self.engine.shutdown()
+
+    close = shutdown
 
     def __enter__(self) -> "LLM":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
     @property

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -35,10 +35,13 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: "Callable[[Block], None] | None" = None) -> None:
+        """`on_evict(block)`: called when allocation takes a cached block, before its KV is
+        overwritten and while it still has its key and tokens (a tier below keeps a copy)."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
+        self._on_evict = on_evict
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._index: dict[int, Block] = {}
         # parent key -> the cached partial blocks that extend it (a unit that ended inside a
@@ -118,6 +121,8 @@ class BlockPool:
             raise NoFreeBlocks("no free KV blocks")
         self._unlink(block)
         if block.key is not None:
+            if self._on_evict is not None:
+                self._on_evict(block)
             self._drop_from_index(block)  # its KV is about to be overwritten
         block.ref_cnt = 1
         return block

@@ -20,6 +20,9 @@ from spanserve.cache.table import Table, build, grown, truncate
 from spanserve.reuse.recompute import RecomputeSpec
 
 
+TIER_NAMES = ("host", "disk", "store")  # the tiers below the pool, as reuse counts name them
+
+
 class _Plan(NamedTuple):
     """How a unit gets its blocks: block i shares the cached block `shared[i]`, or (None) is a
     fresh one whose first `copy_n` slots are copied from `src`, `copies[i] = (src, copy_n)`
@@ -65,7 +68,7 @@ def computed_upto(tasks: list[Task]) -> int:
 
 class CacheManager:
     def __init__(self, pool: BlockPool, storage: KVStorage, block_size: int,
-                 reposition: str = "deferred", rotary: object = None):
+                 reposition: str = "deferred", rotary: object = None, tiers: object = None):
         if reposition not in ("deferred", "eager"):
             raise ValueError(f"reposition must be 'deferred' or 'eager', got {reposition!r}")
         self.pool = pool
@@ -75,6 +78,8 @@ class CacheManager:
         # there (SparseX, LMCache, CIDRA); deferred (default): one copy, rotated when read.
         self.reposition = reposition
         self.rotary = rotary
+        # cache.tiers.stack.TierStack or None: blocks missing here are looked up below the pool
+        self.tiers = tiers
 
     # ---- lookup ---------------------------------------------------------------------------
     def _probe_partial(self, parent: int, toks: Sequence[int], longest: int) -> tuple[Block | None, int]:
@@ -153,6 +158,10 @@ class CacheManager:
         """Give a waiting request its blocks and tasks. None (and nothing changed) when the pool
         cannot hold it now."""
         units = self._units(adm)
+        loaded = None
+        if self.tiers is not None:  # what tiers hold becomes ordinary pool hits before planning
+            loaded = self.tiers.fill(self.pool, [(u.seed, u.keys, u.tokens, u.tail_key, u.final)
+                                                 for v in units for u in (v, v.source) if u])
         plans = [self._plan_unit(u.seed, u.tokens, u.keys, u.final, u.packed, u.tail_key) for u in units]
         sources: list[Unit] = []
         if adm.compute_all:
@@ -220,6 +229,8 @@ class CacheManager:
                     kept.append(b)
             req.held = kept + [b for i in eager for b in units[i].blocks]
         req.reuse = reuse
+        if loaded is not None:  # of the hits, tokens loaded from each tier below the pool
+            req.reuse.update({t: loaded.get(t, 0) for t in TIER_NAMES})
         req.units = units
         req.sources = sources
         req.tasks = self._tasks(adm, units, sources)
@@ -319,6 +330,7 @@ class CacheManager:
         main_tasks = [t for t in req.tasks if t.main]
         upto = computed_upto(main_tasks)
         bs = self.block_size
+        through: list[Block] = []  # standalone-segment blocks published now, for the remote store
         for u in req.units + req.sources:
             if u.final:
                 u.tokens = req.main.tokens[u.start:]
@@ -339,10 +351,14 @@ class CacheManager:
                 toks = u.tokens[i * bs:i * bs + n]
                 parent = u.keys[i - 1] if i else u.seed
                 if n == bs:
-                    self.pool.register(u.blocks[i], u.keys[i], toks)
-                else:
-                    self.pool.register(u.blocks[i], hashing.block_key(parent, toks), toks, parent=parent)
+                    if self.pool.register(u.blocks[i], u.keys[i], toks) is u.blocks[i] and u.plus:
+                        through.append(u.blocks[i])
+                elif self.pool.register(u.blocks[i], hashing.block_key(parent, toks), toks,
+                                        parent=parent) is u.blocks[i] and u.plus:
+                    through.append(u.blocks[i])
             u.fresh = keep
+        if through and self.tiers is not None:
+            self.tiers.write_through(through)
 
     def snapshot_prompt_tail(self, req: Holding) -> None:
         """Called once the prompt is fully computed, before generation writes into its last

@@ -56,3 +56,27 @@ class KVStorage:
         for t in (self.k, self.v):
             flat = t.view(t.shape[0], -1, *t.shape[3:])
             flat[:, idx_t[1]] = flat[:, idx_t[0]]
+
+    def read_blocks(self, ids: list[int], out: torch.Tensor) -> None:
+        """Copy whole blocks into `out` [n, 2, L, bs, KVH, D] (host memory: pinned makes it async
+        on CUDA; the caller waits on the stream before reading it)."""
+        for lo in range(0, len(ids), _WRITE_CHUNK):  # bounds the device buffer
+            idx = torch.tensor(ids[lo: lo + _WRITE_CHUNK], device=self.k.device)
+            kv = torch.stack((self.k[:, idx], self.v[:, idx])).permute(2, 0, 1, 3, 4, 5)  # [n, 2, L, ...]
+            out[lo: lo + len(idx)].copy_(kv, non_blocking=out.is_pinned())
+
+    def write_blocks(self, ids: list[int], kvs: list[torch.Tensor]) -> None:
+        """Fill whole blocks from host tensors [2, L, bs, KVH, D] each: one async copy per block
+        into a device buffer (pinned sources make these plain DMA), then one scatter per tensor."""
+        dev = self.k.device
+        for lo in range(0, len(ids), _WRITE_CHUNK):  # bounds the device buffer
+            part = kvs[lo: lo + _WRITE_CHUNK]
+            buf = torch.empty((len(part), *part[0].shape), dtype=self.k.dtype, device=dev)
+            for i, kv in enumerate(part):
+                buf[i].copy_(kv, non_blocking=kv.is_pinned())
+            idx = torch.tensor(ids[lo: lo + _WRITE_CHUNK], device=dev)
+            self.k[:, idx] = buf[:, 0].transpose(0, 1)
+            self.v[:, idx] = buf[:, 1].transpose(0, 1)
+
+
+_WRITE_CHUNK = 256  # blocks per device buffer in read_blocks and write_blocks (512 MiB for an 8B model in bf16)

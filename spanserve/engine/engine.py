@@ -15,6 +15,8 @@ from spanserve.cache.block_pool import BlockPool
 from spanserve.cache.manager import CacheManager
 from spanserve.cache.storage import KVStorage, bytes_per_block
 from spanserve.distributed.weights import RandomWeights
+from spanserve.cache.tiers import BlockShape, OffloadConfig, model_fingerprint
+from spanserve.cache.tiers.stack import TierStack
 from spanserve.engine.layout import Segment, checked_many, checked_tokens, resolve
 from spanserve.engine.detokenize import IncrementalText
 from spanserve.engine.outputs import RequestOutput, find_stop
@@ -64,6 +66,7 @@ class LLMEngine:
         tp_on_failure: str = "raise",
         tp_float32_reduce: bool = False,
         fused_ops: bool | None = None,
+        kv_offload: "OffloadConfig | dict | None" = None,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -80,6 +83,11 @@ class LLMEngine:
         # tp_on_failure: "raise" WorkerDied when one dies, or "exit" the process (a server);
         # tp_float32_reduce: row-parallel partial sums in float32 (bf16 TP tracks TP=1 closely)
         self.tp = None
+        offload = OffloadConfig.of(kv_offload)
+        fingerprint = None
+        if tensor_parallel_size > 1 and offload is not None and offload.enabled:
+            raise ValueError("KV tiers (kv_offload) are not supported with tensor_parallel_size > 1 yet; "
+                             "drop one of the two")
         if tensor_parallel_size > 1:
             from spanserve.distributed.driver import TPDriver
 
@@ -94,6 +102,8 @@ class LLMEngine:
             self.tokenizer = loaded.tokenizer
             # fused_ops: the Triton elementwise kernels; None = on a CUDA device when Triton imports
             self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, fused=fused_ops)
+            if offload is not None and offload.enabled:
+                fingerprint = model_fingerprint(loaded.config, loaded.weights, self.dtype, block_size)
             del loaded
         per_block = bytes_per_block(self.model.config, block_size, self.dtype)  # this rank's heads
         if num_blocks is None:
@@ -102,7 +112,6 @@ class LLMEngine:
         if num_blocks < 2:
             raise ValueError(f"KV pool of {num_blocks} blocks is too small; raise kv_cache_memory or num_blocks")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
         backend = backend or ReferenceBackend()
         if isinstance(backend, str):  # a name: "triton" or "reference"
             backend = make_backend(backend)
@@ -110,7 +119,14 @@ class LLMEngine:
             self.storage = self.tp.storage(num_blocks, block_size, backend, cuda_graphs)
         else:
             self.storage = KVStorage(self.config, num_blocks, block_size, self.dtype, self.device)
-        self.manager = CacheManager(self.pool, self.storage, block_size, reposition, self.model.rotary)
+        # KV tiers below the pool (host memory, disk, a remote store), if configured
+        self.tiers: TierStack | None = None
+        if fingerprint is not None:
+            c = self.config
+            shape = BlockShape(c.num_layers, block_size, c.num_kv_heads, c.head_dim, self.dtype)
+            self.tiers = TierStack(offload, self.storage, shape, fingerprint)
+        self.pool = BlockPool(num_blocks, on_evict=self.tiers.on_evict if self.tiers else None)
+        self.manager = CacheManager(self.pool, self.storage, block_size, reposition, self.model.rotary, self.tiers)
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
         # cuda_graphs: decode steps replay CUDA graphs on a GPU with the Triton backend ("auto");
         # False runs every step eagerly (vLLM's enforce_eager)
@@ -129,9 +145,16 @@ class LLMEngine:
                          "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers (a single-process engine has nothing to stop)."""
+        """Stop tensor-parallel workers and finish the tiers' queued writes (a disk tier also keeps
+        what the pool holds, for the next start). The engine is not used afterwards."""
+        if self.tiers is not None:
+            tiers, self.tiers = self.tiers, None
+            tiers.close(self.pool)
         if self.tp is not None:
             self.tp.close()
+
+    def close(self) -> None:
+        self.shutdown()
 
     def _default_kv_memory(self) -> int:
         if self.tp is not None and self.device.type == "cuda":
@@ -351,8 +374,8 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         self.grammars.close(req.request_id)
         self.counters["requests_finished"] += 1
-        for k in ("prefix", "perforated", "segment", "computed"):
-            self.counters[k] += req.reuse[k]
+        for k, n in req.reuse.items():  # the reuse kinds, and tokens loaded per tier if any
+            self.counters[k] = self.counters.get(k, 0) + n
         return self._output(req)
 
     def _output(self, req: Request) -> RequestOutput:

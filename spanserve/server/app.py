@@ -6,6 +6,7 @@ fields all reach one 400 path.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -68,6 +69,8 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         finally:
             await async_engine.shutdown()
             ctx.close()
+            # queued tier writes finish (a disk tier keeps the pool's blocks for the next start)
+            await asyncio.get_running_loop().run_in_executor(None, engine.close)
 
     app = FastAPI(title="spanserve", lifespan=lifespan)
     app.state.ctx = ctx

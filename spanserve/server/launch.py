@@ -59,6 +59,7 @@ class ServeOptions:
     api_key: str | None = None  # None: the SPANSERVE_API_KEY environment variable, if set
     auth_all_routes: bool = False  # the key guards /health and /metrics too
     strict_params: bool = False  # unknown request fields are a 400 instead of a logged warning
+    kv_offload: dict | None = None  # cache.tiers.OffloadConfig fields; None: no tiers below the pool
 
 
 def serve(opts: ServeOptions) -> int:
@@ -85,7 +86,8 @@ def serve(opts: ServeOptions) -> int:
     engine = LLMEngine(model=opts.model, **runtime.engine_args(), block_size=opts.block_size,
                        kv_cache_memory=opts.kv_cache_memory, max_num_seqs=opts.max_num_seqs,
                        max_model_len=opts.max_model_len, default_policy=opts.default_policy,
-                       tensor_parallel_size=opts.tensor_parallel_size, tp_on_failure="exit")
+                       tensor_parallel_size=opts.tensor_parallel_size, tp_on_failure="exit",
+                       kv_offload=opts.kv_offload)
     c = engine.config
     log.info("model loaded in %.1f s: %s, %d layers, hidden %d, vocab %d", time.monotonic() - t0,
              c.arch, c.num_layers, c.hidden_size, c.vocab_size)
@@ -93,6 +95,8 @@ def serve(opts: ServeOptions) -> int:
     mib = blocks * bytes_per_block(engine.model.config, engine.block_size, engine.dtype) / 2**20  # per rank
     log.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB); max model len %d; default policy %s",
              blocks, engine.block_size, blocks * engine.block_size, mib, engine.max_model_len, opts.default_policy)
+    if engine.tiers is not None:
+        log.info("KV tiers below the pool: %s", ", ".join(t.name for t in engine.tiers.tiers))
     app = create_app(engine, config)
     url = f"http://{opts.host}:{opts.port}"
     log.info("serving %r at %s/v1 (metrics at %s/metrics)", name, url, url)

@@ -83,6 +83,10 @@ class ServerMetrics:
     def __init__(self, engine: LLMEngine):
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(engine))
+        if engine.tiers is not None:
+            from spanserve.server.tier_metrics import TierCollector
+
+            self.registry.register(TierCollector(engine.tiers, engine.counters))
         self.ttft = Histogram("spanserve_time_to_first_token_seconds", "arrival to first generated token",
                               buckets=_TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram("spanserve_inter_token_latency_seconds", "time between generated tokens",

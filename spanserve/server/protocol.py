@@ -174,6 +174,10 @@ class ReuseCounts(BaseModel):
     perforated: int = 0
     segment: int = 0
     computed: int = 0
+    # of the hits above, tokens loaded from a tier below the pool (kv_offload / --kv-store)
+    host: int = 0
+    disk: int = 0
+    store: int = 0
 
 
 class PromptTokensDetails(BaseModel):

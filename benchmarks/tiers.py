@@ -1,0 +1,286 @@
+"""TTFT of a RAG request whose documents' KV is served from each tier below the pool (host memory,
+local disk, Redis on loopback) versus recomputing them and versus finding them in the pool, and
+each tier's load bandwidth against that tier's ceiling measured in the same run (pinned
+host-to-device copy on a GPU, memory copy on a CPU; raw file reads; raw Redis MGET).
+
+The break-even bandwidth is the layout's KV bytes over its recompute time: a tier that delivers
+less than that loses to recomputing the documents.
+
+    python benchmarks/tiers.py                 # CPU, SmolLM2, 8 documents x 256 tokens (+ Redis if installed)
+    python benchmarks/tiers.py --gpu           # CUDA, random Llama-3-8B bf16, 32 x 2857 tokens
+    python benchmarks/tiers.py --dry           # CPU, tiny random model: the script runs end to end
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from common import format_table, llama3_8b_config, median, random_model, random_tokens, save_figure, write_json  # noqa: E402
+
+from spanserve.cache.storage import bytes_per_block  # noqa: E402
+from spanserve.cache.tiers.payload import BlockKV  # noqa: E402
+from spanserve.engine.engine import LLMEngine  # noqa: E402
+from spanserve.engine.layout import Segment  # noqa: E402
+from spanserve.engine.sampling import SamplingParams  # noqa: E402
+from spanserve.model.config import ModelConfig  # noqa: E402
+
+BS = 16
+ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpu", action="store_true", help="CUDA, random Llama-3-8B-shaped weights, bf16")
+    ap.add_argument("--dry", action="store_true", help="tiny random model on the CPU, small sizes")
+    ap.add_argument("--n", type=int, default=None, help="documents (default 8 on CPU, 32 on GPU)")
+    ap.add_argument("--doc-len", type=int, default=None, help="tokens per document (default 256 / 2857 on GPU)")
+    ap.add_argument("--question-len", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tiers", default=None, help="comma list of host,disk,store (default: all that are available)")
+    ap.add_argument("--disk-dir", default=None, help="directory for the disk tier (default: a temp dir)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU; 0 = torch's default")
+    args = ap.parse_args(argv)
+    args.n = args.n or (32 if args.gpu else 4 if args.dry else 8)
+    args.doc_len = args.doc_len or (2857 if args.gpu else 40 if args.dry else 256)
+    if args.dry:
+        args.question_len, args.runs = 8, 2
+    wanted = args.tiers.split(",") if args.tiers else ["host", "disk", "store"]
+    if "store" in wanted and shutil.which("redis-server") is None:
+        print("note: redis-server is not installed here; the store tier is left out of this run")
+        wanted.remove("store")
+    args.tiers = wanted
+    return args
+
+
+def build_model(args: argparse.Namespace) -> tuple[Any, str, torch.dtype]:
+    if args.gpu:
+        return random_model(llama3_8b_config(), "cuda", torch.bfloat16), "cuda", torch.bfloat16
+    if args.dry:
+        c = ModelConfig(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                        max_position_embeddings=4096, tie_word_embeddings=True, name="tiny-random")
+        return random_model(c, "cpu", torch.float32), "cpu", torch.float32
+    from spanserve.model.loader import load_model
+
+    return load_model("smollm2", torch.float32, torch.device("cpu")), "cpu", torch.float32
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, model: Any, device: str, dtype: torch.dtype, store_url: str | None,
+                 disk_dir: str):
+        c = model.config
+        per_block = bytes_per_block(c, BS, dtype)
+        self.doc_blocks = args.n * -(-args.doc_len // BS)
+        request_blocks = args.n * -(-args.doc_len // BS) + -(-(args.question_len + 16) // BS) + 4
+        offload = {"cpu_bytes": (self.doc_blocks + 64) * per_block, "store_url": store_url,
+                   "disk_path": disk_dir if "disk" in args.tiers else None,
+                   "disk_bytes": 2 * (self.doc_blocks + 64) * per_block}
+        extra: dict[str, Any] = {}
+        if device == "cuda":
+            from spanserve.attention.triton import TritonBackend
+
+            extra["backend"] = TritonBackend()
+        longest = args.n * args.doc_len + args.question_len + 16
+        self.eng = LLMEngine(model, device=device, dtype=dtype, block_size=BS,
+                             num_blocks=2 * request_blocks + 16, max_num_batched_tokens=longest + 16,
+                             max_num_seqs=2, kv_offload=offload, **extra)
+        self.device = torch.device(device)
+        gen = torch.Generator().manual_seed(0)
+        v = c.vocab_size
+        self.prefix = random_tokens(gen, 16, v)
+        self.docs = [random_tokens(gen, args.doc_len, v) for _ in range(args.n)]
+        self.gen, self.vocab, self.qlen = gen, v, args.question_len
+        self.fill_s: list[float] = []
+        fill = self.eng.tiers.fill
+
+        def timed_fill(*a: Any, **k: Any) -> Any:  # the load itself: tier reads, copies into the pool
+            self._sync()
+            t0 = time.perf_counter()
+            out = fill(*a, **k)
+            self._sync()
+            self.fill_s.append(time.perf_counter() - t0)
+            return out
+        self.eng.manager.tiers.fill = timed_fill  # type: ignore[method-assign]
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def layout(self) -> list[Segment]:
+        q = random_tokens(self.gen, self.qlen, self.vocab)  # a new question each time: only documents hit
+        return ([Segment(token_ids=self.prefix)] + [Segment(token_ids=d, kind="plus") for d in self.docs]
+                + [Segment(token_ids=q)])
+
+    def ttft(self, namespace: str = "") -> tuple[float, dict[str, int]]:
+        self._sync()
+        req = self.eng.add_request(self.layout(), ONE, namespace=namespace)
+        while self.eng.has_unfinished():
+            self.eng.step()
+        return req.first_token_time - req.arrival_time, dict(req.reuse)
+
+    def clear_pool(self) -> None:
+        """Forget every cached block without writing it anywhere (explicit eviction skips write-back)."""
+        pool = self.eng.pool
+        for b in pool.blocks:
+            if b.key is not None and b.ref_cnt == 0:
+                pool.evict(b)
+
+    def cached_kv(self) -> list[BlockKV]:
+        """Every block the pool caches (the documents' and the prefix's; full blocks and partial
+        tails), copied to (pinned) host memory."""
+        e = self.eng
+        cached = [b for b in e.pool.blocks if b.key is not None]
+        out = torch.empty((len(cached), *e.tiers.shape.dims), dtype=e.dtype, pin_memory=self.device.type == "cuda")
+        e.storage.read_blocks([b.id for b in cached], out)
+        self._sync()
+        return [BlockKV(b.key, b.tokens, out[i], b.parent) for i, b in enumerate(cached)]
+
+
+def ceiling(bench: Bench, blocks: list[BlockKV], tier: str) -> float:
+    """GB/s the tier's medium gives a plain reader of the same bytes, measured here: a pinned
+    host-to-device copy (a memory copy on the CPU), raw file reads, raw MGETs."""
+    stack = bench.eng.tiers
+    t0 = time.perf_counter()
+    if tier == "host":
+        nbytes = min(1 << 30, len(blocks) * stack.shape.kv_bytes)
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=bench.device.type == "cuda")
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=bench.device)
+        times = []
+        for _ in range(3):
+            bench._sync()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            bench._sync()
+            times.append(time.perf_counter() - t0)
+        return nbytes / min(times) / 1e9
+    if tier == "disk":
+        total = sum(len(f.read_bytes()) for f in sorted(stack.disk.dir.glob("*.kv")))
+    else:
+        keys = [stack.store._key(b.key) for b in blocks]
+        total = 0
+        for lo in range(0, len(keys), 64):
+            total += sum(len(v) for v in stack.store.client.mget(keys[lo:lo + 64]) if v)
+    return total / (time.perf_counter() - t0) / 1e9
+
+
+def place(bench: Bench, tier: str, blocks: list[BlockKV]) -> None:
+    stack = bench.eng.tiers
+    assert stack.flush(600)
+    stack.host.drain()
+    if stack.disk is not None:
+        stack.disk.clear()
+    getattr(stack, tier).store_many(blocks)
+
+
+def run(args: argparse.Namespace, store_url: str | None, disk_dir: str) -> dict[str, Any]:
+    model, device, dtype = build_model(args)
+    bench = Bench(args, model, device, dtype, store_url, disk_dir)
+    del model
+    stack = bench.eng.tiers
+    kv_bytes = args.n * args.doc_len * stack.shape.kv_bytes // BS  # the documents' KV, token by token
+    print(f"{args.n} documents x {args.doc_len} tokens, {bench.doc_blocks} full blocks per request, "
+          f"{kv_bytes / 2**30:.2f} GiB of KV; tiers: {', '.join(args.tiers)}", flush=True)
+    results: dict[str, dict[str, Any]] = {}
+    ttfts = []
+    for r in range(args.runs + 1):  # the first run warms up (kernels, allocator) and is dropped
+        bench.clear_pool()
+        t, reuse = bench.ttft(namespace=f"cold-{r}")
+        if r:
+            ttfts.append(t)
+    results["recompute"] = {"ttft_s": median(ttfts), "reuse": reuse}
+    bench.clear_pool()
+    bench.ttft()  # documents computed in the default namespace, now cached in the pool
+    blocks = bench.cached_kv()
+    assert stack.flush(600)
+    ttfts = [bench.ttft()[0] for _ in range(args.runs)]
+    results["pool"] = {"ttft_s": median(ttfts), "reuse": bench.ttft()[1]}
+    ceilings: dict[str, float] = {}
+    for tier in args.tiers:
+        place(bench, tier, blocks)
+        ttfts, fills, reuse = [], [], {}
+        for _ in range(args.runs):
+            if tier == "host":
+                stack.host.store_many(blocks)
+            bench.clear_pool()
+            bench.fill_s.clear()
+            hits = getattr(stack, tier).stats.hits
+            t, reuse = bench.ttft()
+            ttfts.append(t)
+            fills.append(bench.fill_s[0])
+            loaded = (getattr(stack, tier).stats.hits - hits) * stack.shape.kv_bytes
+        results[tier] = {"ttft_s": median(ttfts), "load_s": median(fills), "reuse": reuse,
+                         "load_GBps": loaded / median(fills) / 1e9, "loaded_bytes": loaded}
+        ceilings[tier] = ceiling(bench, blocks, tier)
+        print(f"  {tier}: TTFT {median(ttfts):.3f} s, load {median(fills):.3f} s", flush=True)
+    rc = results["recompute"]["ttft_s"]
+    stack.close()
+    return {"results": results, "ceiling_GBps": ceilings, "kv_bytes": kv_bytes,
+            "break_even_GBps": kv_bytes / rc / 1e9}
+
+
+def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    res, ceil = out["results"], out["ceiling_GBps"]
+    rc = res["recompute"]["ttft_s"]
+    rows = []
+    for name, r in res.items():
+        bw = r.get("load_GBps")
+        rows.append([name, r["ttft_s"], rc / r["ttft_s"], r.get("load_s", "-"),
+                     bw if bw is not None else "-", ceil.get(name, "-"),
+                     f"{bw / ceil[name]:.0%}" if bw is not None and ceil.get(name) else "-",
+                     r["reuse"].get("segment", 0), r["reuse"].get("computed", 0)])
+    print(format_table(["source", "TTFT s", "x recompute", "load s", "load GB/s", "ceiling GB/s",
+                        "of ceiling", "segment tok", "computed tok"], rows))
+    print(f"break-even bandwidth (layout KV / recompute time): {out['break_even_GBps']:.2f} GB/s "
+          f"for {out['kv_bytes'] / 2**30:.2f} GiB")
+
+
+def plot(out: dict[str, Any], name: str, title: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = out["results"]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    names = list(res)
+    ax.bar(names, [res[n]["ttft_s"] for n in names], color=["#999"] + ["#4a7"] + ["#47a"] * (len(names) - 2))
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title(title, fontsize=9)
+    return str(save_figure(fig, name))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    redis = None
+    with tempfile.TemporaryDirectory() as tmp:
+        disk_dir = args.disk_dir or str(Path(tmp) / "kv")
+        if "store" in args.tiers:
+            from redis_server import RedisServer
+
+            redis = RedisServer(Path(tmp)).start()
+        try:
+            out = run(args, redis.url if redis else None, disk_dir)
+        finally:
+            if redis is not None:
+                redis.stop()
+    report(args, out)
+    tag = "_gpu" if args.gpu else "_dry" if args.dry else ""
+    what = "random Llama-3-8B bf16, H100" if args.gpu else "tiny random" if args.dry else "SmolLM2-135M fp32, CPU"
+    png = plot(out, f"tiers_ttft{tag}.png", f"{args.n} x {args.doc_len}-token RAG layout, {what}")
+    path = write_json(f"tiers{tag}.json", {"args": {k: v for k, v in vars(args).items()}, **out})
+    print(f"wrote {path} and {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""What to offload where (`LLM(..., kv_offload=...)`, `--kv-offload-*`, `--kv-store`), and the
+model identity every tier's key space carries."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+import torch
+import xxhash
+
+# Bumped whenever what a block's bytes mean changes (payload layout, K rotation convention).
+LAYOUT_VERSION = 1
+_FINGERPRINT_BYTES = 1 << 16  # sampled from each of a few tensors: cheap, and any retraining shows
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    cpu_bytes: int = 0  # host-memory tier (0: none)
+    disk_path: str | None = None  # local-disk tier directory (None: none)
+    disk_bytes: int = 100 * 2**30
+    store_url: str | None = None  # remote tier, redis://host:port/db (None: none)
+    store_timeout_ms: float = 50.0  # per batch round trip; a slower store is a miss
+    writeback_blocks: int = 1024  # queued blocks before new write-backs are dropped
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_bytes", "disk_bytes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"kv_offload {name} must be a size >= 0, got {getattr(self, name)!r}")
+        if self.store_timeout_ms <= 0:
+            raise ValueError(f"kv_offload store_timeout_ms must be > 0, got {self.store_timeout_ms}")
+        if self.writeback_blocks < 1:
+            raise ValueError(f"kv_offload writeback_blocks must be >= 1, got {self.writeback_blocks}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cpu_bytes or self.disk_path or self.store_url)
+
+    @classmethod
+    def of(cls, value: "OffloadConfig | Mapping[str, Any] | None") -> "OffloadConfig | None":
+        """A config from itself, a dict (sizes may be strings like '8GiB'), or None (off)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"kv_offload must be an OffloadConfig or a dict, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(f"unknown kv_offload settings {sorted(unknown)}; known: {sorted(known)}")
+        args = dict(value)
+        for name in ("cpu_bytes", "disk_bytes"):
+            if isinstance(args.get(name), str):
+                from spanserve.server.launch import parse_size
+
+                args[name] = parse_size(args[name])
+        return cls(**args)
+
+
+def model_fingerprint(config: object, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                      block_size: int) -> bytes:
+    """16 bytes naming everything that makes two models' blocks differ: the architecture, the
+    weights (a sample of a few tensors' bytes), the KV dtype, the block size, the layout."""
+    h = xxhash.xxh3_128()
+    h.update(f"{LAYOUT_VERSION}|{config!r}|{dtype}|{block_size}".encode())
+    names = sorted(weights)
+    for name in names[:2] + names[len(names) // 2: len(names) // 2 + 1] + names[-2:]:
+        t = weights[name].detach().reshape(-1)
+        n = min(t.numel(), _FINGERPRINT_BYTES // max(1, t.element_size()))
+        h.update(name.encode())
+        h.update(t[:n].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.digest()
