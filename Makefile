@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	touch $(STAMP)
 
+# Two workers (this is a 2-core machine); a file's tests share one worker and its module fixtures.
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n 2 --dist loadfile
 
 run: $(STAMP)
 	$(VENV)/bin/spanserve serve --model smollm2
