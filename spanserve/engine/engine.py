@@ -14,6 +14,7 @@ from spanserve.cache.block_pool import BlockPool
 from spanserve.cache.manager import CacheManager
 from spanserve.cache.storage import KVStorage, bytes_per_block
 from spanserve.engine.layout import Segment, checked_many, checked_tokens, resolve
+from spanserve.engine.layout import sink_prefix as layout_sink_prefix
 from spanserve.engine.detokenize import IncrementalText
 from spanserve.engine.outputs import RequestOutput, find_stop
 from spanserve.engine.request import Request, Status
@@ -52,6 +53,7 @@ class LLMEngine:
         pin_fraction: float = 0.5,
         reposition: str = "deferred",
         cuda_graphs: "bool | str" = "auto",
+        sink_prefix: "Sequence[int] | None" = None,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -67,6 +69,8 @@ class LLMEngine:
         loaded = model if isinstance(model, LoadedModel) else load_model(model, self.dtype, self.device)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
+        # the anchor of anchor="sink" segments (default: BOS + the chat template's opening)
+        self.sink_prefix = tuple(sink_prefix) if sink_prefix is not None else layout_sink_prefix(self.tokenizer)
         self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device)
         del loaded
         per_block = bytes_per_block(self.config, block_size, self.dtype)
@@ -126,7 +130,8 @@ class LLMEngine:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], Segment):
             pieces = resolve(prompt, self.encode, pol.name, require_tail=not extra.get("encode_only", False),
                              check=functools.partial(checked_tokens, vocab_size=self.config.vocab_size),
-                             check_all=functools.partial(checked_many, vocab_size=self.config.vocab_size))
+                             check_all=functools.partial(checked_many, vocab_size=self.config.vocab_size),
+                             sink=self.sink_prefix)
             ids = list(itertools.chain.from_iterable(p.tokens for p in pieces))
         else:
             ids = self.encode(prompt)
