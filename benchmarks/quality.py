@@ -81,7 +81,7 @@ def variants(quick: bool = False) -> list[Variant]:
     out = [Variant("none", "none", None, "none"), Variant("full", "full", None, "full"),
            Variant(f"sinks {SINK}", "sinks", 0.0, Sinks(sink_tokens=SINK)),
            Variant("CacheBlend 15%", "cacheblend", 0.15, CacheBlend(ratio=0.15)),
-           Variant("SparseQ 15%", "sparseq", 0.15, SparseQ(budget=0.12)),
+           Variant("SparseQ 15%", "sparseq", 0.15, SparseQ(budget=0.12, sink_tokens=0)),
            Variant(f"CacheBlend 15% +sink{SINK}", "cacheblend", 0.15, CacheBlend(ratio=0.15, sink_tokens=SINK)),
            Variant(f"SparseQ 15% +sink{SINK}", "sparseq", 0.15, SparseQ(budget=0.12, sink_tokens=SINK)),
            Variant(f"SparseQ 5% +sink{SINK}", "sparseq", 0.05, SparseQ(budget=0.02, sink_tokens=SINK)),

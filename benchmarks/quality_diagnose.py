@@ -42,7 +42,7 @@ BLOCK = 16
 def traced() -> dict[str, tuple[Policy, str]]:
     """label -> (policy run by the engine, anchor); the dense trace uses the stand-ins above."""
     return {"full": (FULL, "none"), "none": (NONE, "none"),
-            "CacheBlend 15%": (CacheBlend(ratio=0.15), "none"), "SparseQ 15%": (SparseQ(budget=0.15), "none"),
+            "CacheBlend 15%": (CacheBlend(ratio=0.15), "none"), "SparseQ 15%": (SparseQ(budget=0.15, sink_tokens=0), "none"),
             "sinks 4": (Sinks(sink_tokens=4), "none"),
             "CacheBlend 15% +sink4": (CacheBlend(ratio=0.15, sink_tokens=4), "none"),
             "SparseQ 15% +sink4": (SparseQ(budget=0.15, sink_tokens=4), "none"),

@@ -76,8 +76,12 @@ class SparseQ(Policy):
     0 disables it, None picks ~15% of the layers); at the boundary the non-reused queries' attention
     (softmax over their causal rows, summed over queries and heads) ranks the reused keys; the
     top-k stay, plus `overflow_blocks` blocks each side of every non-reused interval, plus the last
-    `tail` tokens when the prompt ends inside reused text."""
+    `tail` tokens when the prompt ends inside reused text. Sink tokens are on by default: the
+    attention of the non-reused queries at the boundary is computed over in-context keys, where a
+    segment's first token is no sink, so the score alone never picks the stale sinks that draw the
+    question's attention above the boundary (docs/quality_notes.md)."""
 
+    sink_tokens: int = 4
     budget: float | None = 0.15
     k: int | None = None
     boundary: int | None = None
