@@ -1,17 +1,18 @@
 """Answer quality of the recomputation policies on synthetic long-context tasks (RULER / SparseX style),
 SmolLM2-135M-Instruct on CPU.
 
-    .venv/bin/python benchmarks/quality.py              # 40 cases per family (200 cases)
-    .venv/bin/python benchmarks/quality.py --quick      # 3 cases per family, every case timed
-    .venv/bin/python benchmarks/quality.py --cases 60   # more cases
+    .venv/bin/python benchmarks/quality.py              # 16 cases per family (80 cases), 4 x 256-token segments
+    .venv/bin/python benchmarks/quality.py --quick      # 2 cases per family, 4 x 128-token segments
+    .venv/bin/python benchmarks/quality.py --cases 40 --ctx 2048   # more and longer (4 x 512)
 
 Five task families (benchmarks/tasks.py: single needle, multi-key needle, key-value retrieval,
 variable tracking, frequent words), each generated from --seed, nothing downloaded; the cases of a
 family alternate between a RAG layout (instruction | document chunks as plus segments | question)
 and a multi-turn chat layout (system + first exchange | history turns as plus segments | question
-turn). Every case runs under every policy: none, full, CacheBlend at ratio 5/15/30%, SparseQ at
-budget 5/15/30% (its default hybrid boundary, ~15% of the layers) and SparseQ 15% with boundary=0
-(no hybrid). Greedy, up to --max-tokens tokens, EOS ends a reply.
+turn). Every case runs under every variant (see variants()): none, full, the sinks-only policy,
+CacheBlend and SparseQ at ~15% with and without sink tokens, SparseQ at ~5% with sinks, and
+segments anchored on the model's sink prefix (BOS + chat template opening) under none and SparseQ.
+Greedy, up to --max-tokens tokens, EOS ends a reply.
 
 Cases run in groups of --group. A group's plus segments are pinned (encoded once, standalone)
 before any policy runs, so every span policy finds them cached, as a server would for a repeated
@@ -24,13 +25,14 @@ document. Then, per policy:
      must equal run 1's (mismatches are counted); the other cases prefill, recompute and decode here,
      and their reuse / recompute metrics come from this run. (Batched and lone prefill agree: same
      tokens, same recompute selections, logprobs within 1e-5, checked on 20 cases x 3 policies.)
-Batching is what fits 200 cases x 9 policies into the time budget of two CPU cores.
+Batching is what fits 80 cases x 10 variants into the time budget of two CPU cores.
 
 Scores per policy: accuracy (the expected number / word appears as a whole word in the reply, see
-tasks.is_correct; averaged per family, then over families), agreement with `full` (position-by-
+tasks.is_correct; averaged per family, then over families; 95% intervals by bootstrap over the
+cases of each family, and paired against none), agreement with `full` (position-by-
 position equality of the generated token ids over the longer of the two replies, EOS included, at
 most --max-tokens), recompute fraction (selected / reused from metrics["recompute"]: the share of
-reused tokens recomputed above the decision layer; none 0, full 1), layer-weighted compute of the
+reused tokens recomputed above the decision layer, sink tokens included; none 0, full 1), layer-weighted compute of the
 reused tokens ((D + 1 + (L - D - 1) * fraction) / L: every token is recomputed through the decision
 layer D of L), exact match with full, median TTFT of the timed cases.
 """
@@ -48,48 +50,55 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import format_table, median, save_figure, set_threads, write_json  # noqa: E402
+from common import set_threads, write_json  # noqa: E402
+from quality_stats import findings, markdown, plot, summarize, table  # noqa: E402
 from tasks import FAMILIES, LAYOUTS, Case, is_correct, make_case  # noqa: E402
 
 from spanserve.cache.storage import bytes_per_block  # noqa: E402
-from spanserve.engine.layout import Segment  # noqa: E402
+from spanserve.engine.layout import Segment, sink_prefix  # noqa: E402
 from spanserve.engine.sampling import SamplingParams  # noqa: E402
 from spanserve.llm import LLM  # noqa: E402
 from spanserve.model.loader import LoadedModel, load_model  # noqa: E402
-from spanserve.reuse.policies import CacheBlend, Policy, SparseQ  # noqa: E402
+from spanserve.reuse.policies import CacheBlend, Policy, Sinks, SparseQ  # noqa: E402
 
 BLOCK_SIZE = 16
-BUDGETS = (0.05, 0.15, 0.30)
+SINK = 4  # sink tokens recomputed per reused segment
 
 
 @dataclass(frozen=True)
 class Variant:
     label: str
-    family: str  # none | full | cacheblend | sparseq | sparseq-nohybrid (plot series)
+    series: str  # none | full | sinks | cacheblend | sparseq (plot marker)
     budget: float | None
     policy: "str | Policy"
+    anchor: str = "none"  # the plus segments' anchor: none, or sink (BOS + chat template opening)
 
 
-def variants() -> list[Variant]:
-    # keyword arguments only: a policy's first dataclass field is `name`
-    out = [Variant("none", "none", None, "none"), Variant("full", "full", None, "full")]
-    out += [Variant(f"CacheBlend {b:.0%}", "cacheblend", b, CacheBlend(ratio=b)) for b in BUDGETS]
-    out += [Variant(f"SparseQ {b:.0%}", "sparseq", b, SparseQ(budget=b)) for b in BUDGETS]
-    out.append(Variant("SparseQ 15% no-hybrid", "sparseq-nohybrid", 0.15, SparseQ(budget=0.15, boundary=0)))
+def variants(quick: bool = False) -> list[Variant]:
+    # keyword arguments only: a policy's first dataclass field is `name`. SparseQ's budgets leave
+    # room for its overflow blocks (one block each side of the question and the instruction),
+    # so that what it recomputes in all stays near the CacheBlend budget beside it.
+    out = [Variant("none", "none", None, "none"), Variant("full", "full", None, "full"),
+           Variant(f"sinks {SINK}", "sinks", 0.0, Sinks(sink_tokens=SINK)),
+           Variant("CacheBlend 15%", "cacheblend", 0.15, CacheBlend(ratio=0.15)),
+           Variant("SparseQ 15%", "sparseq", 0.15, SparseQ(budget=0.12, sink_tokens=0)),
+           Variant(f"CacheBlend 15% +sink{SINK}", "cacheblend", 0.15, CacheBlend(ratio=0.15, sink_tokens=SINK)),
+           Variant(f"SparseQ 15% +sink{SINK}", "sparseq", 0.15, SparseQ(budget=0.12, sink_tokens=SINK)),
+           Variant(f"SparseQ 5% +sink{SINK}", "sparseq", 0.05, SparseQ(budget=0.02, sink_tokens=SINK)),
+           Variant("none, anchor sink", "none", None, "none", "sink"),
+           Variant(f"SparseQ 15% +sink{SINK}, anchor sink", "sparseq", 0.15, SparseQ(budget=0.12, sink_tokens=SINK), "sink")]
     return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", type=int, default=40, help="cases per task family (default 40; --quick: 3)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 3 cases per family")
+    ap.add_argument("--cases", type=int, default=16, help="cases per task family (default 16; --quick: 2)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 cases per family, 4 x 128-token segments")
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    ap.add_argument("--ctx", type=int, default=512, help="context tokens per case (the plus segments together)")
-    ap.add_argument("--chunks", type=int, default=2, help="plus segments per case")
+    ap.add_argument("--ctx", type=int, default=1024, help="context tokens per case (the plus segments together)")
+    ap.add_argument("--chunks", type=int, default=4, help="plus segments per case")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--anchor", default="none", choices=["none", "prefix"],
-                    help="plus segments encoded alone (none) or after the leading cross segment (prefix)")
-    ap.add_argument("--group", type=int, default=50, help="cases run together (their pins held together)")
+    ap.add_argument("--group", type=int, default=20, help="cases run together (their pins held together)")
     ap.add_argument("--timed", type=int, default=2,
                     help="per family, the first N cases also run alone for TTFT (default 2; --quick: all)")
     ap.add_argument("--seed", type=int, default=0)
@@ -101,8 +110,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="file name under benchmarks/results/ (default quality[_quick].json)")
     ap.add_argument("--plot", default=None, help="file name under docs/ (default quality[_quick].png)")
     args = ap.parse_args(argv)
-    if args.quick and "--cases" not in (argv if argv is not None else sys.argv[1:]):
-        args.cases = 3
+    given = argv if argv is not None else sys.argv[1:]
+    if args.quick and "--cases" not in given:
+        args.cases = 2
+    if args.quick and "--ctx" not in given:
+        args.ctx = 512
     if args.quick and "--timed" not in (argv if argv is not None else sys.argv[1:]):
         args.timed = args.cases
     suffix = "_quick" if args.quick else ""
@@ -139,10 +151,7 @@ def run_group(llm: LLM, group: list[Case], tag: str, vs: list[Variant], args: ar
     keys = [[f"{tag}/{i}/{j}" for j in range(len(c.chunks))] for i, c in enumerate(group)]
     # Pinning encodes the segments; one pin request counts all its segments against the model's
     # context length (8192 positions) although each is encoded standalone, so pin in batches.
-    # (Anchored segments depend on their prefix, which a pin cannot name: they are encoded below
-    # by a request with the same prefix and a one-token stand-in question.)
-    segs = [] if args.anchor != "none" else [
-        Segment(token_ids=ch, kind="plus", key=k) for c, ks in zip(group, keys) for ch, k in zip(c.chunks, ks)]
+    segs = [Segment(token_ids=ch, kind="plus", key=k) for c, ks in zip(group, keys) for ch, k in zip(c.chunks, ks)]
     batch: list[Segment] = []
     for seg in segs + [None]:  # type: ignore[list-item]
         if batch and (seg is None or sum(len(x.token_ids) for x in batch) + len(seg.token_ids) > 4096):
@@ -152,24 +161,27 @@ def run_group(llm: LLM, group: list[Case], tag: str, vs: list[Variant], args: ar
             batch.append(seg)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     many = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    if not segs:  # anchored: encode the segments (under their prefix) with a stand-in question
-        llm.generate([c.segments(args.anchor)[:-1] + [Segment(token_ids=c.suffix[:1])] for c in group], one)
+    if any(v.anchor == "sink" for v in vs):
+        # Sink-anchored segments depend on the sink prefix only, which a pin cannot name: a request
+        # of the sink prefix, the segments and a one-token stand-in question encodes them once.
+        sink = list(llm.engine.sink_prefix)
+        llm.generate([[Segment(token_ids=sink)] + c.segments("sink")[1:-1] + [Segment(token_ids=c.suffix[:1])]
+                      for c in group], one)
     recs = [{"family": c.family, "layout": c.layout, "index": c.index, "answer": c.answer, "timed": c.index < args.timed,
              "prompt_tokens": c.prompt_tokens, "context_tokens": c.context_tokens, "policies": {}} for c in group]
-    layouts = [c.segments(args.anchor) for c in group]
 
     def record(v: Variant, c: Case, rec: dict[str, Any], m: dict[str, Any]) -> dict[str, Any]:
         rc = m.get("recompute") or {}
-        if v.family == "none":
+        if v.policy == "none":
             frac: float | None = 0.0
-        elif v.family == "full":
+        elif v.series == "full":
             frac = 1.0
         elif rc.get("reused"):
             frac = rc["selected"] / rc["reused"]
         else:
             frac = None
             stats["anomalies"].append(f"{v.label} {c.family}/{c.layout}/{c.index}: no recompute stats (reuse {m['reuse']})")
-        if v.family != "full" and m["reuse"]["segment"] != c.context_tokens:
+        if v.series != "full" and m["reuse"]["segment"] != c.context_tokens:
             stats["anomalies"].append(f"{v.label} {c.family}/{c.layout}/{c.index}: segment reuse "
                                       f"{m['reuse']['segment']} != {c.context_tokens} document tokens")
         p = {"ttft": m["ttft"] if rec["timed"] else None, "reuse": m["reuse"], "recompute": rc, "fraction": frac}
@@ -177,6 +189,7 @@ def run_group(llm: LLM, group: list[Case], tag: str, vs: list[Variant], args: ar
         return p
 
     for v in vs:
+        layouts = [c.segments(v.anchor) for c in group]
         for c, lay, rec in zip(group, layouts, recs):  # 1. the timed cases alone: TTFT, reuse, recompute
             if rec["timed"]:
                 out = llm.generate(lay, one, policy=v.policy)[0]
@@ -197,122 +210,9 @@ def run_group(llm: LLM, group: list[Case], tag: str, vs: list[Variant], args: ar
         ref = rec["policies"]["full"]["token_ids"]
         for p in rec["policies"].values():
             p["agreement"] = agreement(p["token_ids"], ref, args.max_tokens)
-    for ks in keys if segs else []:
+    for ks in keys:
         llm.unpin(ks)
     records.extend(recs)
-
-
-# ---- summary -----------------------------------------------------------------------------------
-def mean(xs: list[float]) -> float:
-    xs = [x for x in xs if x is not None]
-    return float(statistics.fmean(xs)) if xs else math.nan
-
-
-def summarize(records: list[dict[str, Any]], vs: list[Variant], families: list[str], num_layers: int) -> list[dict]:
-    rows = []
-    for v in vs:
-        ps = [(r, r["policies"][v.label]) for r in records]
-        fam_acc = {f: mean([float(p["correct"]) for r, p in ps if r["family"] == f]) for f in families}
-        lay_acc = {lay: mean([float(p["correct"]) for r, p in ps if r["layout"] == lay]) for lay in LAYOUTS}
-        frac = mean([p["fraction"] for _, p in ps])
-        layers = [p["recompute"].get("decision_layer") for _, p in ps if p["recompute"]]
-        d = statistics.median(layers) if layers else None
-        if v.family == "none":
-            compute = 0.0
-        elif v.family == "full":
-            compute = 1.0
-        else:
-            compute = mean([(p["recompute"]["decision_layer"] + 1 + (num_layers - p["recompute"]["decision_layer"] - 1)
-                             * p["fraction"]) / num_layers for _, p in ps if p["recompute"]])
-        rows.append({"label": v.label, "series": v.family, "budget": v.budget, "decision_layer": d,
-                     "recompute_fraction": frac, "layer_weighted_compute": compute,
-                     "accuracy": mean(list(fam_acc.values())), "accuracy_by_family": fam_acc,
-                     "accuracy_by_layout": lay_acc, "agreement": mean([p["agreement"] for _, p in ps]),
-                     "exact_match_full": mean([float(p["agreement"] == 1.0) for _, p in ps]),
-                     "ttft_median_ms": 1e3 * median([p["ttft"] for _, p in ps if p["ttft"] is not None]),
-                     "n": len(ps)})
-    full = next(r for r in rows if r["series"] == "full")["accuracy"]
-    for r in rows:
-        r["accuracy_vs_full"] = r["accuracy"] / full if full else math.nan
-    return rows
-
-
-SHORT = {"single_needle": "needle", "multi_key": "multikey", "kv_retrieval": "kv", "var_tracking": "vartrack",
-         "frequent_words": "freqword"}
-
-
-def ms(x: float) -> str:
-    return "-" if math.isnan(x) else f"{x:.0f}"
-
-
-def table(rows: list[dict], families: list[str]) -> str:
-    headers = ["policy", "recompute", "layer-wtd", "acc", "acc/full", *[SHORT[f] for f in families],
-               "rag", "chat", "agree", "exact", "TTFT ms"]
-    body = [[r["label"], r["recompute_fraction"], r["layer_weighted_compute"], r["accuracy"], r["accuracy_vs_full"],
-             *[r["accuracy_by_family"][f] for f in families], r["accuracy_by_layout"]["rag"],
-             r["accuracy_by_layout"]["chat"], r["agreement"], r["exact_match_full"], ms(r["ttft_median_ms"])]
-            for r in rows]
-    return format_table(headers, body)
-
-
-def markdown(rows: list[dict], families: list[str]) -> str:
-    head = ["policy", "recomputed", "acc", "acc / full", *[SHORT[f] for f in families], "agree w/ full", "TTFT ms"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [r["label"], f"{r['recompute_fraction']:.1%}", f"{r['accuracy']:.3f}", f"{r['accuracy_vs_full']:.1%}",
-                 *[f"{r['accuracy_by_family'][f]:.2f}" for f in families], f"{r['agreement']:.3f}",
-                 ms(r["ttft_median_ms"])]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def findings(rows: list[dict]) -> list[str]:
-    by = {r["label"]: r for r in rows}
-    full, sq, cb, nh, none = (by[k] for k in ("full", "SparseQ 15%", "CacheBlend 15%", "SparseQ 15% no-hybrid", "none"))
-    out = [f"SparseQ 15% accuracy {sq['accuracy']:.3f} = {sq['accuracy_vs_full']:.1%} of full ({full['accuracy']:.3f}): "
-           f"{'at least' if sq['accuracy_vs_full'] >= 0.97 else 'under'} 97% of full",
-           f"SparseQ 15% vs CacheBlend 15%: accuracy {sq['accuracy']:.3f} vs {cb['accuracy']:.3f} "
-           f"({'beats' if sq['accuracy'] > cb['accuracy'] else 'ties' if sq['accuracy'] == cb['accuracy'] else 'loses to'}"
-           f" it), agreement {sq['agreement']:.3f} vs {cb['agreement']:.3f}, recomputed {sq['recompute_fraction']:.1%} vs "
-           f"{cb['recompute_fraction']:.1%} of reused tokens above layers {sq['decision_layer']} vs {cb['decision_layer']}",
-           f"hybrid boundary (SparseQ 15% vs boundary=0): accuracy {sq['accuracy']:.3f} vs {nh['accuracy']:.3f}, "
-           f"agreement {sq['agreement']:.3f} vs {nh['agreement']:.3f}, layer-weighted compute "
-           f"{sq['layer_weighted_compute']:.1%} vs {nh['layer_weighted_compute']:.1%}",
-           f"none (pure span semantics): accuracy {none['accuracy']:.3f} ({none['accuracy_vs_full']:.1%} of full), "
-           f"agreement {none['agreement']:.3f}"]
-    return out
-
-
-def plot(rows: list[dict], title: str, name: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.3))
-    for ax, key, ylabel in ((axes[0], "accuracy", "accuracy (mean over families)"),
-                            (axes[1], "agreement", "token agreement with full")):
-        for series, style, label in (("cacheblend", "s-", "CacheBlend"), ("sparseq", "o-", "SparseQ (hybrid)")):
-            pts = sorted((r["recompute_fraction"], r[key], r["budget"]) for r in rows if r["series"] == series)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
-            for x, y, b in pts:
-                ax.annotate(f"{b:.0%}", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
-        for series, style, label in (("none", "kx", "none"), ("full", "k*", "full"),
-                                     ("sparseq-nohybrid", "v", "SparseQ 15% no hybrid")):
-            r = next(r for r in rows if r["series"] == series)
-            ax.plot([r["recompute_fraction"]], [r[key]], style, markersize=9, label=label)
-        ax.set_xscale("symlog", linthresh=0.05)
-        ax.set_xticks([0, 0.05, 0.1, 0.2, 0.4, 1.0], ["0", "5%", "10%", "20%", "40%", "100%"])
-        ax.set_xlabel("reused tokens recomputed above the decision layer")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8, frameon=False)
-    fig.suptitle(title, fontsize=9)
-    fig.subplots_adjust(bottom=0.24, wspace=0.25)
-    path = save_figure(fig, name)
-    plt.close(fig)
-    return str(path)
 
 
 def make_cases(args: argparse.Namespace, tok: Any) -> list[Case]:
@@ -376,9 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     num_layers = parts[0]["num_layers"]
     t_load = max(p["load_s"] for p in parts)
     wall, cpu = time.perf_counter() - t0, sum(p["cpu_s"] for p in parts)
-    rows = summarize(records, vs, args.families, num_layers)
+    rows = summarize(records, vs, args.families, LAYOUTS, num_layers)
     print()
-    print(table(rows, args.families))
+    print(table(rows, args.families, LAYOUTS))
     print()
     for line in findings(rows):
         print("* " + line)

@@ -14,16 +14,17 @@ from spanserve.rope import rope_inv_freq
 
 
 class Dense:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64):
         self.c = config
-        self.w = {k: v.double() for k, v in weights.items()}
-        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).double()
+        self.dtype = dtype  # float64 for the oracle; float32 for studies of a real model
+        self.w = {k: v.to(dtype) for k, v in weights.items()}
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(dtype)
 
     def _norm(self, x, w):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.c.rms_norm_eps))
 
     def _rope(self, x, pos):  # x [N, heads, D]
-        ang = pos.double()[:, None] * self.inv_freq[None]
+        ang = pos.to(self.dtype)[:, None] * self.inv_freq[None]
         cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
         half = x.shape[-1] // 2
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
@@ -84,7 +85,7 @@ class Dense:
         N = len(tokens)
         causal = torch.ones(N, N, dtype=torch.bool).tril()
         c = self.c
-        fk = [torch.zeros(N, c.num_kv_heads, c.head_dim, dtype=torch.float64) for _ in range(c.num_layers)]
+        fk = [torch.zeros(N, c.num_kv_heads, c.head_dim, dtype=self.dtype) for _ in range(c.num_layers)]
         fv = [torch.zeros_like(x) for x in fk]
         which = torch.zeros(N, dtype=torch.bool)
         for p in pieces:
@@ -103,11 +104,13 @@ class Dense:
 
 
 
-def policy_logits(dense: Dense, pieces: list[Piece], policy, block_size: int) -> torch.Tensor:
+def policy_logits(dense: Dense, pieces: list[Piece], policy, block_size: int, observe=None) -> torch.Tensor:
     """Logits of the last prompt token under a selective policy, computed plainly: every token's
     hidden state at every layer, with reused tokens that are not recomputed at a layer reading
-    their standalone K/V there. Mirrors the policy definitions in spanserve.reuse.policies."""
-    from spanserve.reuse.policies import CacheBlend, SparseQ
+    their standalone K/V there. Mirrors the policy definitions in spanserve.reuse.policies.
+    observe(layer, probs [H, N, N], k, v, recomputed [N] bool, reused [N] bool, standalone (k, v)),
+    if given, sees every layer (k before RoPE)."""
+    from spanserve.reuse.policies import CacheBlend, Sinks, SparseQ, top_with_sinks
 
     c, w = dense.c, dense.w
     H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
@@ -115,7 +118,8 @@ def policy_logits(dense: Dense, pieces: list[Piece], policy, block_size: int) ->
     N = len(tokens)
     first_plus = min((p.start for p in pieces if p.kind == "plus"), default=N)
     reused = torch.zeros(N, dtype=torch.bool)
-    fk = [torch.zeros(N, KVH, D, dtype=torch.float64) for _ in range(c.num_layers)]
+    sinks = torch.zeros(N, dtype=torch.bool)  # the first sink_tokens of every reused segment
+    fk = [torch.zeros(N, KVH, D, dtype=dense.dtype) for _ in range(c.num_layers)]
     fv = [torch.zeros_like(x) for x in fk]
     for p in pieces:
         if p.kind != "plus":
@@ -125,6 +129,7 @@ def policy_logits(dense: Dense, pieces: list[Piece], policy, block_size: int) ->
         for i, (k, v) in enumerate(kvs):
             fk[i][p.start:p.end], fv[i][p.start:p.end] = k[a:], v[a:]
         reused[p.start:p.end] = True
+        sinks[p.start:p.start + min(policy.sink_tokens, L)] = True
     decision = policy.decision_layer(c.num_layers)
     recomputed = reused.clone()  # reused tokens recomputed at the current layer
     pos = torch.arange(N)
@@ -136,15 +141,19 @@ def policy_logits(dense: Dense, pieces: list[Piece], policy, block_size: int) ->
         def override(k, v, i=i, stale=stale):
             return torch.where(stale[:, None, None], fk[i], k), torch.where(stale[:, None, None], fv[i], v)
         h, k, v, probs = dense.layer(i, h, pos, causal, override)
+        if observe is not None:
+            observe(i, probs, k, v, recomputed & reused, reused, (fk[i], fv[i]))
         if i == decision:
             idx = reused.nonzero().flatten()
-            if isinstance(policy, CacheBlend):
+            if isinstance(policy, Sinks):
+                keep = set(idx[sinks[idx]].tolist())
+            elif isinstance(policy, CacheBlend):
                 dev = ((k - fk[i]).pow(2).sum((1, 2)) + (v - fv[i]).pow(2).sum((1, 2)))[idx]
-                n_keep = round(policy.ratio * idx.numel())
-                keep = set(idx[torch.topk(dev, n_keep).indices].tolist()) if n_keep else set()
+                chosen = top_with_sinks(dev, sinks[idx], round(policy.ratio * idx.numel()))
+                keep = set(idx[chosen].tolist())
             elif isinstance(policy, SparseQ):
                 asking = (~reused) & (pos >= first_plus)
-                keep = set(policy.select(probs[:, asking].sum((0, 1)), reused, block_size).tolist())
+                keep = set(policy.select(probs[:, asking].sum((0, 1)), reused, block_size, sinks).tolist())
             else:
                 raise TypeError(policy)
             recomputed = torch.tensor([j in keep for j in range(N)], dtype=torch.bool)

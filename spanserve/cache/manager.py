@@ -283,7 +283,8 @@ class CacheManager:
             reused = [u.start + p for u in units if u.source is not None for p in range(len(u.tokens))]
             src_slots = [b.id * bs + o for u in sources for b, n in zip(u.blocks, u.n_valid) for o in range(n)]
             src_delta = [u.delta for u in sources for _ in u.tokens]
-            spec = RecomputeSpec(adm.policy, reused, src_slots, src_delta)
+            offsets = [p for u in sources for p in range(len(u.tokens))]
+            spec = RecomputeSpec(adm.policy, reused, src_slots, src_delta, offsets)
         tasks.append(Task(tokens, entries, main_todo, bs, sample=not adm.encode_only, main=True, recompute=spec))
         return tasks
 

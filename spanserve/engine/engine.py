@@ -18,6 +18,7 @@ from spanserve.distributed.weights import RandomWeights
 from spanserve.cache.tiers import BlockShape, OffloadConfig, model_fingerprint
 from spanserve.cache.tiers.stack import TierStack
 from spanserve.engine.layout import Segment, checked_many, checked_tokens, resolve
+from spanserve.engine.layout import sink_prefix as layout_sink_prefix
 from spanserve.engine.detokenize import IncrementalText
 from spanserve.engine.outputs import RequestOutput, find_stop
 from spanserve.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
@@ -67,6 +68,7 @@ class LLMEngine:
         tp_float32_reduce: bool = False,
         fused_ops: bool | None = None,
         kv_offload: "OffloadConfig | dict | None" = None,
+        sink_prefix: "Sequence[int] | None" = None,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -105,6 +107,8 @@ class LLMEngine:
             if offload is not None and offload.enabled:
                 fingerprint = model_fingerprint(loaded.config, loaded.weights, self.dtype, block_size)
             del loaded
+        # the anchor of anchor="sink" segments (default: BOS + the chat template's opening)
+        self.sink_prefix = tuple(sink_prefix) if sink_prefix is not None else layout_sink_prefix(self.tokenizer)
         per_block = bytes_per_block(self.model.config, block_size, self.dtype)  # this rank's heads
         if num_blocks is None:
             budget = kv_cache_memory if kv_cache_memory is not None else self._default_kv_memory()
@@ -194,7 +198,8 @@ class LLMEngine:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], Segment):
             pieces = resolve(prompt, self.encode, pol.name, require_tail=not extra.get("encode_only", False),
                              check=functools.partial(checked_tokens, vocab_size=self.config.vocab_size),
-                             check_all=functools.partial(checked_many, vocab_size=self.config.vocab_size))
+                             check_all=functools.partial(checked_many, vocab_size=self.config.vocab_size),
+                             sink=self.sink_prefix)
             ids = list(itertools.chain.from_iterable(p.tokens for p in pieces))
         else:
             ids = self.encode(prompt)

@@ -12,7 +12,7 @@ import numpy as np
 from spanserve.cache.claim import Piece
 
 KINDS = ("cross", "plus")
-ANCHORS = ("none", "prefix")
+ANCHORS = ("none", "prefix", "sink")
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,9 @@ class Segment:
     text: str | None = None
     token_ids: Sequence[int] | None = None
     kind: str = "cross"
-    anchor: str = "none"  # plus only: "prefix" = encoded after the leading cross segments
+    # plus only: "prefix" = encoded after the leading cross segments; "sink" = encoded after the
+    # model's sink prefix (BOS + chat template opening), which the prompt must begin with
+    anchor: str = "none"
     key: str | None = None  # optional name, for pinning and reporting
 
     def __post_init__(self) -> None:
@@ -30,7 +32,7 @@ class Segment:
             raise ValueError(f"unknown segment kind {self.kind!r}; use one of {KINDS}")
         if self.anchor not in ANCHORS:
             raise ValueError(f"unknown anchor {self.anchor!r}; use one of {ANCHORS} "
-                             "(an anchor is the leading cross segments, never arbitrary text)")
+                             "(an anchor is the leading cross segments or the model's sink prefix, never arbitrary text)")
         if self.kind == "cross" and self.anchor != "none":
             raise ValueError("anchor applies to plus segments only; drop anchor= from the cross segment")
 
@@ -110,6 +112,25 @@ def checked_many(idss: Sequence[Sequence[int]], vocab_size: int) -> list[tuple[t
     return out
 
 
+def sink_prefix(tokenizer: object) -> tuple[int, ...]:
+    """The model's universal opening: BOS (when the tokenizer adds one) and the chat template's
+    text before the first message's content. Every chat prompt of the model begins with it, so
+    segments encoded after it see a real sink at position 0 yet are reusable by every request."""
+    if tokenizer is None:
+        return ()
+    bos = list(tokenizer.encode("", add_special_tokens=True))  # what the tokenizer prepends, if anything
+    if not getattr(tokenizer, "chat_template", None):
+        return tuple(bos)
+    mark = "\x00sink\x00"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "system", "content": mark}], tokenize=False)
+    except Exception:  # templates that reject a system message: open on a user message instead
+        text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+    opening = text[:text.index(mark)] if mark in text else ""
+    ids = list(tokenizer.encode(opening, add_special_tokens=False)) if opening else []
+    return tuple(ids if bos and ids[:len(bos)] == bos else bos + ids)
+
+
 def _joined(parts: Sequence[Checked]) -> tuple[tuple[int, ...], bytes | None]:
     packs = [p for _, p in parts]
     packed = b"".join(packs) if None not in packs else None  # type: ignore[arg-type]
@@ -118,8 +139,11 @@ def _joined(parts: Sequence[Checked]) -> tuple[tuple[int, ...], bytes | None]:
 
 def resolve(segments: Sequence[Segment | str], encode: Callable[[str], list[int]], policy: str,
             require_tail: bool = True, check: Callable[[Sequence[int]], Checked] | None = None,
-            check_all: Callable[[list[Sequence[int]]], "Sequence[Checked] | None"] | None = None) -> list[Piece]:
+            check_all: Callable[[list[Sequence[int]]], "Sequence[Checked] | None"] | None = None,
+            sink: Sequence[int] = ()) -> list[Piece]:
     """Tokenize and position the segments. `full` reads everything causally: one cross piece.
+    `sink`: the model's sink prefix, the anchor of anchor="sink" segments (the prompt must
+    begin with it).
     `check` validates token ids (see checked_tokens); without it they are only made ints.
     `check_all`: the same for every token-id segment at once (see checked_many), or None to
     fall back to `check`."""
@@ -145,10 +169,17 @@ def resolve(segments: Sequence[Segment | str], encode: Callable[[str], list[int]
                          "which attends to everything before it")
     first_plus = next((i for i, s in enumerate(segs) if s.kind == "plus"), len(segs))
     prefix_len = sum(len(t) for t, _ in toks[:first_plus])
+    lead = tuple(itertools.chain.from_iterable(t for t, _ in toks[:first_plus]))
+    anchor_len = {"none": 0, "prefix": prefix_len, "sink": len(sink)}
     for i, s in enumerate(segs):
         if s.kind == "plus" and s.anchor == "prefix" and prefix_len == 0:
             raise ValueError(f"segment {i} has anchor='prefix' but the layout has no leading cross "
                              "segment to anchor on; use anchor='none' or put a cross segment first")
+        if s.kind == "plus" and s.anchor == "sink" and (not sink or lead[:len(sink)] != tuple(sink)):
+            raise ValueError(f"segment {i} has anchor='sink' but the layout does not begin with the model's "
+                             f"sink prefix {list(sink)} (BOS + chat template opening)"
+                             if sink else f"segment {i} has anchor='sink' but this model has no sink prefix "
+                             "(no BOS and no chat template); use anchor='none' or 'prefix'")
     if policy == "full" or first_plus == len(segs):
         flat, packed = _joined(toks)
         return [Piece("cross", flat, 0, packed=packed)]
@@ -158,7 +189,7 @@ def resolve(segments: Sequence[Segment | str], encode: Callable[[str], list[int]
         pieces.append(Piece("cross", flat, 0, packed=packed))
     pos = prefix_len
     for s, t in zip(segs[first_plus:], toks[first_plus:]):
-        a = prefix_len if (s.kind == "plus" and s.anchor == "prefix") else 0
+        a = anchor_len[s.anchor] if s.kind == "plus" else 0
         if s.kind == "cross" and pieces and pieces[-1].kind == "cross":
             last = pieces[-1]
             flat, packed = _joined([(last.tokens, last.packed), t])

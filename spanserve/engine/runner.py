@@ -123,12 +123,15 @@ class ModelRunner:
         for r, spec, reused in step.recompute:
             row = plan.rows[r]
             dev = row.q_pos.device
+            place = dict(zip(spec.reused, spec.offsets)) if spec.offsets else None
+            offsets = None if place is None else torch.tensor(
+                [place[p] for p in c.positions if p in place], dtype=torch.long, device=dev)
             out.append(RecomputeRow(
                 spec=spec,
                 flat=torch.arange(row.q_start, row.q_end, device=dev),
                 is_reused=torch.tensor(reused, dtype=torch.bool, device=dev),
                 key_slots=row.key_slots, key_delta=row.key_delta, q_pos=row.q_pos,
-                decision_layer=spec.policy.decision_layer(self.model.config.num_layers),
+                decision_layer=spec.policy.decision_layer(self.model.config.num_layers), offsets=offsets,
             ))
         return out
 

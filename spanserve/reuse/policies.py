@@ -2,7 +2,12 @@
 
 Every selective policy has the same shape: through a decision layer D every candidate token
 (reused or not) is recomputed; at D the policy scores the reused tokens and keeps some; above D
-only the kept ones and the non-reused ones are computed, and the others read their cached KV."""
+only the kept ones and the non-reused ones are computed, and the others read their cached KV.
+
+`sink_tokens=k` (every selective policy) also keeps the first k tokens of every reused segment
+(EPIC's link tokens): a segment encoded alone makes its first token an attention sink, and a
+sink left in the middle of the context draws the attention that `full` gives to real content.
+The kept sinks count against the policy's budget."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,6 +21,7 @@ class Policy:
     plain prompt of the same tokens."""
 
     name: str = "none"
+    sink_tokens: int = 0
 
     @property
     def selective(self) -> bool:
@@ -41,6 +47,7 @@ class CacheBlend(Policy):
     name: str = "cacheblend"
 
     def __post_init__(self) -> None:
+        _check_sinks(self.sink_tokens)
         if not 0 <= self.ratio <= 1:
             raise ValueError(f"CacheBlend ratio must be in [0, 1], got {self.ratio}")
         if self.check_layer < 1:
@@ -56,10 +63,11 @@ class CacheBlend(Policy):
     def decision_layer(self, num_layers: int) -> int:
         return min(self.check_layer, num_layers - 1)
 
-    def select(self, deviation: torch.Tensor) -> torch.Tensor:
-        """deviation [n_reused] -> indices of the kept reused tokens."""
-        k = round(self.ratio * deviation.numel())
-        return torch.topk(deviation, k).indices if k else deviation.new_zeros(0, dtype=torch.long)
+    def select(self, deviation: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """deviation [n_reused]; sinks [n_reused] bool (kept first) -> indices of the kept reused
+        tokens, sorted."""
+        sinks = torch.zeros_like(deviation, dtype=torch.bool) if sinks is None else sinks
+        return top_with_sinks(deviation, sinks, round(self.ratio * deviation.numel()))
 
 
 @dataclass(frozen=True)
@@ -68,8 +76,12 @@ class SparseQ(Policy):
     0 disables it, None picks ~15% of the layers); at the boundary the non-reused queries' attention
     (softmax over their causal rows, summed over queries and heads) ranks the reused keys; the
     top-k stay, plus `overflow_blocks` blocks each side of every non-reused interval, plus the last
-    `tail` tokens when the prompt ends inside reused text."""
+    `tail` tokens when the prompt ends inside reused text. Sink tokens are on by default: the
+    attention of the non-reused queries at the boundary is computed over in-context keys, where a
+    segment's first token is no sink, so the score alone never picks the stale sinks that draw the
+    question's attention above the boundary (docs/quality_notes.md)."""
 
+    sink_tokens: int = 4
     budget: float | None = 0.15
     k: int | None = None
     boundary: int | None = None
@@ -78,6 +90,7 @@ class SparseQ(Policy):
     name: str = "sparseq"
 
     def __post_init__(self) -> None:
+        _check_sinks(self.sink_tokens)
         if self.k is None and (self.budget is None or not 0 <= self.budget <= 1):
             raise ValueError(f"SparseQ needs budget in [0, 1] or k >= 0, got budget={self.budget}")
         if self.k is not None and self.k < 0:
@@ -93,15 +106,16 @@ class SparseQ(Policy):
         b = round(0.15 * num_layers) if self.boundary is None else self.boundary
         return min(b, num_layers - 1)
 
-    def select(self, scores: torch.Tensor, reused: torch.Tensor, block_size: int) -> torch.Tensor:
-        """scores [N] per position of the row (attention mass); reused [N] bool -> kept reused
-        positions (sorted)."""
+    def select(self, scores: torch.Tensor, reused: torch.Tensor, block_size: int,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """scores [N] per position of the row (attention mass); reused [N] bool; sinks [N] bool
+        (reused positions kept first) -> kept reused positions (sorted)."""
         n_reused = int(reused.sum())
         k = self.k if self.k is not None else round(self.budget * n_reused)  # type: ignore[operator]
+        sinks = torch.zeros_like(reused) if sinks is None else sinks & reused
+        masked = torch.where(reused, scores, torch.full_like(scores, float("-inf")))
         keep = torch.zeros_like(reused)
-        if k:
-            masked = torch.where(reused, scores, torch.full_like(scores, float("-inf")))
-            keep[torch.topk(masked, min(k, n_reused)).indices] = True
+        keep[top_with_sinks(masked, sinks, min(k, n_reused))] = True
         span = self.overflow_blocks * block_size
         computed = ~reused
         n = reused.numel()
@@ -119,7 +133,49 @@ class SparseQ(Policy):
         return (keep & reused).nonzero().flatten()
 
 
-_BY_NAME = {"none": NONE, "full": FULL, "cacheblend": CacheBlend(), "sparseq": SparseQ()}
+@dataclass(frozen=True)
+class Sinks(Policy):
+    """Recompute only the first `sink_tokens` tokens of every reused segment (EPIC's LegoLink
+    without a score): decided at layer 0, whose KV does not depend on context, so nothing else
+    is ever recomputed."""
+
+    sink_tokens: int = 4
+    name: str = "sinks"
+
+    def __post_init__(self) -> None:
+        _check_sinks(self.sink_tokens)
+
+    @property
+    def selective(self) -> bool:
+        return True
+
+    def decision_layer(self, num_layers: int) -> int:
+        return 0
+
+    def select(self, sinks: torch.Tensor) -> torch.Tensor:
+        """sinks [n_reused] bool -> their indices."""
+        return sinks.nonzero().flatten()
+
+
+def _check_sinks(k: int) -> None:
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"sink_tokens must be an int >= 0, got {k!r}")
+
+
+def top_with_sinks(scores: torch.Tensor, sinks: torch.Tensor, total: int) -> torch.Tensor:
+    """Indices (sorted) of every sink plus the best-scoring others, `total` in all (more when the
+    sinks alone exceed it). Entries scored -inf are never picked as others."""
+    others = total - int(sinks.sum())
+    pick = sinks.clone()
+    if others > 0:
+        rest = scores.masked_fill(sinks, float("-inf"))
+        n_ok = int(torch.isfinite(rest).sum())
+        if n_ok:
+            pick[torch.topk(rest, min(others, n_ok)).indices] = True
+    return pick.nonzero().flatten()
+
+
+_BY_NAME = {"none": NONE, "full": FULL, "cacheblend": CacheBlend(), "sparseq": SparseQ(), "sinks": Sinks()}
 
 
 def resolve_policy(policy: "str | Policy | None", default: Policy = NONE) -> Policy:

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from spanserve.rope import Rotary, apply_rotary
-from spanserve.reuse.policies import CacheBlend, Policy, SparseQ
+from spanserve.reuse.policies import CacheBlend, Policy, Sinks, SparseQ
 
 
 @dataclass
@@ -21,6 +21,7 @@ class RecomputeSpec:
     reused: list[int]  # logical positions of the reused tokens
     src_slots: list[int]
     src_delta: list[int]
+    offsets: list[int] = field(default_factory=list)  # each reused token's place in its segment
 
 
 @dataclass
@@ -34,6 +35,7 @@ class RecomputeRow:
     key_delta: torch.Tensor | None
     q_pos: torch.Tensor  # [n] row positions of the chunk's tokens
     decision_layer: int
+    offsets: torch.Tensor | None = None  # [n_reused] place of each of the chunk's reused tokens in its segment
     selected: torch.Tensor | None = None  # indices into the reused tokens, once decided
     stats: dict = field(default_factory=dict)
 
@@ -104,18 +106,27 @@ class Recompute:
 
     def _decide(self, i, r: RecomputeRow, q, k, v, k_cache, v_cache) -> torch.Tensor:
         pol = r.spec.policy
+        n_reused = int(r.is_reused.sum())
+        if r.offsets is None or not pol.sink_tokens:
+            sinks = torch.zeros(n_reused, dtype=torch.bool, device=q.device)
+        else:
+            sinks = r.offsets < pol.sink_tokens
+        if isinstance(pol, Sinks):
+            return pol.select(sinks)
         if isinstance(pol, CacheBlend):
             all_reused = torch.arange(int(r.is_reused.sum()), device=q.device)
             k_old, v_old = self._cached(i, all_reused, k_cache, v_cache)
             dk = (k[r.is_reused].float() - k_old.float()).pow(2).sum((1, 2))
             dv = (v[r.is_reused].float() - v_old.float()).pow(2).sum((1, 2))
-            return pol.select(self.reduce(dk + dv))
+            return pol.select(self.reduce(dk + dv), sinks)
         if isinstance(pol, SparseQ):
             scores = self.reduce(attention_mass(q[~r.is_reused], r.q_pos[~r.is_reused], k_cache, r.key_slots,
                                                 r.key_delta, self.rotary))
             reused_mask = torch.zeros(r.key_slots.numel(), dtype=torch.bool, device=q.device)
             reused_mask[r.q_pos[r.is_reused]] = True
-            kept_pos = pol.select(scores, reused_mask, self.block_size)
+            sink_mask = torch.zeros_like(reused_mask)
+            sink_mask[r.q_pos[r.is_reused][sinks]] = True
+            kept_pos = pol.select(scores, reused_mask, self.block_size, sink_mask)
             # positions -> indices among this chunk's reused tokens (both ascending)
             return torch.searchsorted(r.q_pos[r.is_reused], kept_pos)
         raise TypeError(f"no selective recomputation for policy {pol!r}")

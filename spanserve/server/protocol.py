@@ -64,7 +64,7 @@ class SamplingRequest(OpenAIBody):
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # The prefix cache is shared only between requests with the same salt (tenant isolation).
     cache_salt: str | None = None
-    # Recomputation policy for span layouts (extension): none | full | cacheblend | sparseq.
+    # Recomputation policy for span layouts (extension): none | full | cacheblend | sparseq | sinks.
     policy: str | None = None
 
     @property
@@ -90,10 +90,11 @@ class _OneSource(_Request):
 class SpanSegment(_OneSource):
     """One segment of a span layout (extension): `plus` segments stand alone, so their KV is
     reused wherever they appear; `anchor: prefix` encodes a plus segment after the leading
-    cross segments instead of at the start."""
+    cross segments instead of at the start, `anchor: sink` after the model's sink prefix (BOS +
+    chat template opening), which the prompt must begin with."""
 
     kind: Literal["cross", "plus"] = "cross"
-    anchor: Literal["none", "prefix"] = "none"
+    anchor: Literal["none", "prefix", "sink"] = "none"
 
 
 class CompletionRequest(SamplingRequest):
