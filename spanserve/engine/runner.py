@@ -125,7 +125,7 @@ class ModelRunner:
             dev = row.q_pos.device
             place = dict(zip(spec.reused, spec.offsets)) if spec.offsets else None
             offsets = None if place is None else torch.tensor(
-                [place[p] for p in c.positions if p in place], dtype=torch.long, device=dev)
+                [place[p] for p in step.host.rows[r].q_pos.tolist() if p in place], dtype=torch.long, device=dev)
             out.append(RecomputeRow(
                 spec=spec,
                 flat=torch.arange(row.q_start, row.q_end, device=dev),
