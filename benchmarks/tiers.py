@@ -244,7 +244,7 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
                      r["reuse"].get("segment", 0), r["reuse"].get("computed", 0)])
     print(format_table(["source", "TTFT s", "x recompute", "load s", "load GB/s", "ceiling GB/s",
                         "of ceiling", "segment tok", "computed tok"], rows))
-    print(f"break-even bandwidth (layout KV / recompute time): {out['break_even_GBps']:.2f} GB/s "
+    print(f"break-even bandwidth (layout KV / recompute time): {out['break_even_GBps']:.3g} GB/s "
           f"for {out['kv_bytes'] / 2**30:.2f} GiB")
 
 
