@@ -33,8 +33,8 @@ from spanserve.cache.claim import Piece
 # prompts apart, short enough that prompts sharing them share a replica.
 PREFIX_BLOCKS = 4
 # Requests ahead over which a key a request would push out of a replica is charged its expected
-# recomputation: fitted on the Zipf RAG simulation (benchmarks/routing_sim.py), where 2-5 are
-# about equally good, 0 (no charge) loses 1-3 points of hit ratio and 20 (hits no longer lead) loses 2.
+# recomputation: fitted on the Zipf RAG simulation (benchmarks/routing_sim.py, 8 replicas),
+# where 3, 5 and 8 are within a point of hit ratio and 0 (no charge) is 1-2 points below.
 HORIZON = 5.0
 
 
