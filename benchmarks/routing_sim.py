@@ -12,10 +12,11 @@ as plus segments in the order drawn, then a question of its own (cross). Routers
   prefix_hash    rendezvous hash of the prompt's first blocks read as one plain prompt (what a
                  prefix-affinity router sees), bounded load
   segment_aware  spanserve.cluster.routing: the replica holding most of the request's plus-segment
-                 tokens (where their keys were sent lately, else their rendezvous owners), bounded load
+                 tokens (where their keys were sent lately, else their rendezvous owners), less
+                 the expected recomputation of the keys its misses would push out, bounded load
 
 Load: a request stays in flight for the next N x --concurrency arrivals; a replica at
-ceil(1.25 x mean in-flight) is passed over (bounded-load hashing). Each request is admitted
+ceil(1.5 x mean in-flight) is passed over (bounded-load hashing; --slack 0.25 for 1.25x). Each request is admitted
 (lookup, allocate, hits held), its blocks marked computed and released at once, so the pool
 holds one request's blocks at a time and LRU-caches the rest. Hit ratio = document tokens
 found cached / document tokens requested, cold start included; imbalance = the busiest
@@ -91,7 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget", type=float, default=0.10, help="KV pool per replica, fraction of the corpus")
     ap.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight per replica on average")
-    ap.add_argument("--slack", type=float, default=0.25, help="load bound: (1 + slack) x mean in flight")
+    ap.add_argument("--slack", type=float, default=0.5, help="load bound: (1 + slack) x mean in flight")
+    ap.add_argument("--horizon", type=float, default=routing.HORIZON,
+                    help="segment-aware: requests ahead over which a key pushed out is charged (0: off)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: 300 requests, 50 documents, 1-8 replicas")
@@ -132,7 +135,7 @@ def simulate(w: Workload, router: str, n: int, pool_blocks: int, args: argparse.
     loads = dict.fromkeys(names, 0)
     in_flight: deque[str] = deque()
     window = n * args.concurrency
-    seg = routing.SegmentRouter(pool_blocks * args.block_size, slack=args.slack)
+    seg = routing.SegmentRouter(pool_blocks * args.block_size, slack=args.slack, horizon=args.horizon)
     for i, pieces in enumerate(w.layouts):
         if len(in_flight) >= window:
             loads[in_flight.popleft()] -= 1

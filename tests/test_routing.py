@@ -166,3 +166,109 @@ def test_prefix_key_names_the_first_blocks_of_a_plain_prompt() -> None:
     assert routing.prefix_key(a, "", 16) == routing.prefix_key(b, "", 16)
     assert routing.prefix_key(a, "", 16).key != routing.prefix_key(c, "", 16).key
     assert routing.prefix_key([3, 4], "", 16).tokens == 2
+
+
+def _recorded_copy(p: routing.Placement, replica: str, keys: list[RouteKey]) -> set[int]:
+    """Reference for Placement.evicted: record on a fresh copy and see which held keys, other
+    than the request's own (a request larger than the pool evicts its own too), left."""
+    q = routing.Placement(p.capacity)
+    q.record(replica, [RouteKey(k, t) for k, t in p._held.get(replica, {}).items()])
+    before = set(q._held.get(replica, {}))
+    q.record(replica, keys)
+    return before - set(q._held.get(replica, {})) - {k.key for k in keys}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.builds(RouteKey, st.integers(0, 30), st.integers(1, 40)), max_size=5), max_size=8),
+       st.lists(st.builds(RouteKey, st.integers(0, 30), st.integers(1, 40)), max_size=5))
+def test_evicted_is_what_recording_would_push_out(history: list[list[RouteKey]], keys: list[RouteKey]) -> None:
+    # unique keys per request (a request names a key once) so token totals are unambiguous
+    history = [list({k.key: k for k in h}.values()) for h in history]
+    keys = list({k.key: k for k in keys}.values())
+    p = routing.Placement(capacity=100)
+    for h in history:
+        p.record("a", h)
+    held = dict(p._held.get("a", {}))
+    got = p.evicted("a", keys)
+    assert dict(p._held.get("a", {})) == held  # a query, not a change
+    assert {k.key for k in got} == _recorded_copy(p, "a", keys)
+    assert all(held[k.key] == k.tokens for k in got)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**64), min_size=1, max_size=4), min_size=1, max_size=60),
+       st.integers(1, 64), st.integers(1, 4))
+def test_key_counts_never_under_count_and_are_exact_when_wide(reqs: list[list[int]], width: int, depth: int) -> None:
+    exact: dict[int, int] = {}
+    small, wide = routing.KeyCounts(width, depth), routing.KeyCounts(1 << 20, 4)
+    for r in reqs:
+        small.add([RouteKey(k, 1) for k in r])
+        wide.add([RouteKey(k, 1) for k in r])
+        for k in set(r):
+            exact[k] = exact.get(k, 0) + 1
+    for k, n in exact.items():
+        assert small.count(k) >= n
+        assert wide.count(k) == n  # 60 requests x 4 keys in 2^20 cells x 4 rows: no collision in practice
+        assert wide.rate(k) == n / len(reqs)
+    assert routing.KeyCounts().rate(5) == 0.0
+
+
+def test_key_counts_age_by_halving() -> None:
+    c = routing.KeyCounts(width=64, depth=2, window=10)
+    for _ in range(9):
+        c.add([RouteKey(1, 1)])
+    assert c.count(1) == 9 and c.requests == 9
+    c.add([RouteKey(2, 1)])  # the 10th request: everything halves
+    assert c.requests == 5 and c.count(1) == 4 and c.count(2) == 0
+    assert c.rate(1) == 4 / 5
+
+
+def test_ranked_subtracts_the_expected_recomputation_of_pushed_out_keys() -> None:
+    names = ["a", "b"]
+    p = routing.Placement(capacity=100)
+    hot, cold = RouteKey(1, 50), RouteKey(2, 50)
+    p.record("a", [hot, cold])  # a is full of a hot and a cold document
+    p.record("b", [RouteKey(3, 50), RouteKey(4, 50)])  # b of two documents never asked for again
+    counts = routing.KeyCounts()
+    for _ in range(10):
+        counts.add([hot])
+    new = [RouteKey(9, 50)]
+    # without the charge the tie goes by rendezvous order; with it, to b, whose pushed-out key is cold
+    cost = routing.eviction_cost(new, names, p, counts, horizon=3.0)
+    assert cost == {"a": 3.0 * 50 * 1.0, "b": 0.0}
+    assert routing.ranked(new, names, p, counts, horizon=3.0)[0] == "b"
+    # a request that hits on a goes there unless the charge outweighs the hit
+    counts2 = routing.KeyCounts()
+    counts2.add([hot])
+    for _ in range(9):
+        counts2.add([RouteKey(7, 1)])
+    fresh = next(k for k in range(10, 100) if routing.owner(k, names) == "b")  # computed at b if sent there
+    req = [cold, RouteKey(fresh, 20)]
+    # a: 50 hit - 3 x 50 x 0.1 for pushing the hot key out = 35; b: 20 as the new key's owner - 0
+    assert routing.ranked(req, names, p, counts2, horizon=3.0)[0] == "a"
+    assert routing.ranked(req, names, p, counts2, horizon=10.0)[0] == "b"  # a: 50 - 50
+
+
+@settings(max_examples=100, deadline=None)
+@given(keys_st, names_st, st.data(), st.floats(0, 10))
+def test_ranked_with_counts_matches_a_brute_force_score(keys: list[RouteKey], names: list[str],
+                                                       data: st.DataObject, horizon: float) -> None:
+    placement = routing.Placement(capacity=data.draw(st.integers(1, 20_000)))
+    counts = routing.KeyCounts()
+    for r in names:
+        placement.record(r, [k for k in keys if data.draw(st.booleans())])
+        counts.add([k for k in keys if data.draw(st.booleans())])
+    order = routing.ranked(keys, names, placement, counts, horizon)
+    assert sorted(order) == sorted(names)
+
+    def value(r: str) -> float:  # reference: affinity as above, less horizon x rate x tokens pushed out
+        hit = 0.0
+        for k in keys:
+            holders = [x for x in names if placement.holds(x, k.key)]
+            hit += k.tokens if r in (holders or [brute_owner(k.key, names)]) else 0
+        gone = _recorded_copy(placement, r, keys)
+        tokens = dict(placement._held.get(r, {}))
+        return hit - horizon * sum(tokens[g] * counts.rate(g) for g in gone)
+
+    got = [value(r) for r in order]
+    assert all(x >= y - 1e-6 for x, y in zip(got, got[1:]))
