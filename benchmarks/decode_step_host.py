@@ -132,7 +132,8 @@ def prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 
 
 def params_for(mode: str, args: argparse.Namespace, i: int) -> SamplingParams:
-    return SamplingParams(max_tokens=args.tokens, ignore_eos=True, seed=i, **MODES[mode])
+    # chat traffic sends no seed: the sampled rows use the global RNG
+    return SamplingParams(max_tokens=args.tokens, ignore_eos=True, **MODES[mode])
 
 
 def run_offline(eng: LLMEngine, mode: str, args: argparse.Namespace) -> dict[str, float]:
