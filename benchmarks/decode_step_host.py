@@ -181,11 +181,62 @@ def run_async(eng: LLMEngine, mode: str, args: argparse.Namespace) -> dict[str, 
     return summ
 
 
+def side_by_side(eng: LLMEngine, args: argparse.Namespace, reps: int = 30) -> list[dict[str, Any]]:
+    """The replaced host functions against their replacements, per batch-`batch` step, in this run:
+    the final unit's token copy, the uniform draws of unseeded sampled rows, detokenization."""
+    from spanserve.cache.manager import Unit, _follow
+    from spanserve.engine.sampling import _uniforms
+
+    def per_step(fn: Callable[[], Any]) -> float:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return 1e3 * (time.perf_counter() - t0) / reps
+
+    ctx, b, dev = args.context, args.batch, eng.device
+    rows = [list(range(ctx)) for _ in range(b)]
+    units = [Unit(seed=1, start=16, local_start=16, plus=False, final=True, tokens=r[16:]) for r in rows]
+
+    def copy_old() -> None:
+        for u, r in zip(units, rows):
+            u.tokens = r[u.start:]
+
+    def copy_new() -> None:
+        for u, r in zip(units, rows):
+            r.append(7)  # generation appends one token per step
+            _follow(u, r)
+
+    vocab = eng.config.vocab_size
+    gens = [None] * b
+
+    def draw_old() -> None:
+        u = torch.empty((b, vocab), dtype=torch.float64, device=dev)
+        for i, g in enumerate(gens):
+            u[i].uniform_(generator=g)
+        u[-1, -1].item()
+
+    def draw_new() -> None:
+        _uniforms(torch.Size((b, vocab)), dev, gens)[-1, -1].item()
+
+    out = [{"what": f"final unit tokens, context {ctx}", "old_ms": per_step(copy_old), "new_ms": per_step(copy_new)},
+           {"what": f"uniforms, {b} unseeded rows x {vocab}", "old_ms": per_step(draw_old),
+            "new_ms": per_step(draw_new)}]
+    if eng.tokenizer is not None:
+        ids = [torch.randint(0, vocab, (args.tokens,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(b)]
+        old = lambda: [eng.tokenizer.decode(x[-6:], skip_special_tokens=True) for x in ids for _ in (0, 1)]  # noqa: E731
+        new = lambda: [eng._decode(x[-6:]) for x in ids for _ in (0, 1)]  # noqa: E731
+        out.append({"what": f"detokenize windows, 2 per row x {b}", "old_ms": per_step(old), "new_ms": per_step(new)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
+    ap.add_argument("--context", type=int, default=2048, help="context of the token-copy comparison")
     ap.add_argument("--warmup", type=int, default=3, help="decode steps left out of the medians")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--gpu", action="store_true", help="random Llama-3-8B bf16 on cuda, ~100 decode steps")
@@ -207,7 +258,12 @@ def main(argv: list[str] | None = None) -> None:
              v.get("async_step", v["step"])] for k, v in results.items()]
     print(f"decode steps at batch {args.batch}, median ms per step by phase")
     print(format_table(headers, rows))
-    payload: dict[str, Any] = {"args": vars(args), "phases_ms": results}
+    eng = make_engine(args)
+    sbs = side_by_side(eng, args)
+    eng.shutdown()
+    print(f"\nreplaced vs replacing host functions, ms per step at batch {args.batch} (same run)")
+    print(format_table(["what", "old ms", "new ms"], [[r["what"], r["old_ms"], r["new_ms"]] for r in sbs]))
+    payload: dict[str, Any] = {"args": vars(args), "phases_ms": results, "side_by_side": sbs}
     if args.gpu:
         payload["roofline"] = roofline(args)
         print(f"roofline (weights + KV over {args.gbps:.0f} GB/s): {payload['roofline']['roofline_ms']:.2f} ms")
