@@ -316,7 +316,7 @@ class CacheManager:
         n_new = -(-(need - grow) // bs)
         if self.pool.num_free < n_new:
             return False
-        old, n_old = task.entries, len(u.blocks)
+        old, n_old, added = task.entries, len(u.blocks), need
         u.n_valid[-1] += grow
         need -= grow
         for _ in range(n_new):
@@ -330,7 +330,7 @@ class CacheManager:
         # rather than rebuilt from every block each decode step, unless it is not that table
         if (isinstance(old, np.ndarray) and n_old and len(old) == sum(len(x.blocks) for x in req.units) - n_new
                 and old[-1, 0] == u.blocks[n_old - 1].id and old[-1, 2] + grow == u.n_valid[n_old - 1]):
-            task.set_entries(grown(old, grow, u.blocks[n_old:], u.delta, u.n_valid[n_old:]))
+            task.extend_entries(grown(old, grow, u.blocks[n_old:], u.delta, u.n_valid[n_old:]), added)
         else:
             task.set_entries(self.entries(req.units))
         return True

@@ -76,6 +76,17 @@ def slot_array(entries: "list[Entry] | Table", block_size: int) -> np.ndarray:
     return np.repeat(base - (np.cumsum(n) - n), n) + np.arange(int(n.sum()), dtype=np.int64)
 
 
+def tail_slots(table: Table, n: int, block_size: int) -> np.ndarray:
+    """slot_array(table)[-n:] from the few last entries that hold those n keys (decode growth)."""
+    if n <= 0:
+        return np.empty(0, np.int64)
+    nv, m, held = table[:, 2], 0, 0
+    while held < n and m < len(table):
+        m += 1
+        held += int(nv[-m])
+    return slot_array(table[-m:], block_size)[-n:]
+
+
 def delta_array(entries: "list[Entry] | Table") -> np.ndarray | None:
     """Per-key delta, or None when every entry has delta 0 (plain prompts pay nothing)."""
     cols = _columns(entries)
