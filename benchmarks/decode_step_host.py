@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import math
 import statistics
 import sys
@@ -32,12 +33,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import format_table, llama3_8b_config, random_model, set_threads, weight_shapes, write_json  # noqa: E402
 
+from spanserve.cache.storage import bytes_per_block  # noqa: E402
 from spanserve.engine.async_engine import AsyncEngine, RequestSpec  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.sampling import SamplingParams  # noqa: E402
@@ -117,8 +120,9 @@ class PhaseClock:
 def make_engine(args: argparse.Namespace) -> LLMEngine:
     if args.gpu:
         model = random_model(llama3_8b_config(), "cuda", torch.bfloat16)
+        kv = bytes_per_block(model.config, 16, torch.bfloat16) * (args.batch * (args.prompt_len + args.tokens) // 16 + 256)
         return LLMEngine(model, device="cuda", dtype="bfloat16", backend="triton", max_num_seqs=args.batch,
-                         max_num_batched_tokens=max(2048, args.batch * args.prompt_len))
+                         max_num_batched_tokens=max(2048, args.batch * args.prompt_len), kv_cache_memory=kv)
     from tiny_models import make_tiny_model
 
     path, _ = make_tiny_model("llama", Path(tempfile.mkdtemp(prefix="decode-step-host-")))
@@ -185,6 +189,7 @@ def side_by_side(eng: LLMEngine, args: argparse.Namespace, reps: int = 30) -> li
     """The replaced host functions against their replacements, per batch-`batch` step, in this run:
     the final unit's token copy, the uniform draws of unseeded sampled rows, detokenization."""
     from spanserve.cache.manager import Unit, _follow
+    from spanserve.cache.table import slot_array, tail_slots
     from spanserve.engine.sampling import _uniforms
 
     def per_step(fn: Callable[[], Any]) -> float:
@@ -207,6 +212,17 @@ def side_by_side(eng: LLMEngine, args: argparse.Namespace, reps: int = 30) -> li
             r.append(7)  # generation appends one token per step
             _follow(u, r)
 
+    table = np.stack([np.arange(ctx // 16), np.zeros(ctx // 16, np.int64), np.full(ctx // 16, 16)], 1)
+    cached = [slot_array(table, 16) for _ in range(b)]
+
+    def slots_old() -> None:
+        for _ in range(b):
+            slot_array(table, 16)
+
+    def slots_new() -> None:
+        for s in cached:
+            np.concatenate([s, tail_slots(table, 1, 16)])
+
     vocab = eng.config.vocab_size
     gens = [None] * b
 
@@ -220,6 +236,7 @@ def side_by_side(eng: LLMEngine, args: argparse.Namespace, reps: int = 30) -> li
         _uniforms(torch.Size((b, vocab)), dev, gens)[-1, -1].item()
 
     out = [{"what": f"final unit tokens, context {ctx}", "old_ms": per_step(copy_old), "new_ms": per_step(copy_new)},
+           {"what": f"key slots, context {ctx}", "old_ms": per_step(slots_old), "new_ms": per_step(slots_new)},
            {"what": f"uniforms, {b} unseeded rows x {vocab}", "old_ms": per_step(draw_old),
             "new_ms": per_step(draw_new)}]
     if eng.tokenizer is not None:
@@ -229,6 +246,12 @@ def side_by_side(eng: LLMEngine, args: argparse.Namespace, reps: int = 30) -> li
         new = lambda: [eng._decode(x[-6:]) for x in ids for _ in (0, 1)]  # noqa: E731
         out.append({"what": f"detokenize windows, 2 per row x {b}", "old_ms": per_step(old), "new_ms": per_step(new)})
     return out
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -253,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
             results[f"{path}/{mode}"] = fn(eng, mode, args)
             eng.shutdown()
             del eng
+            free_device_memory()
     headers = ["path/mode", "steps", *PHASES, "async", "step ms"]
     rows = [[k, int(v["steps"]), *(v[p] for p in PHASES), v.get("async", 0.0),
              v.get("async_step", v["step"])] for k, v in results.items()]
@@ -271,8 +295,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def roofline(args: argparse.Namespace) -> dict[str, float]:
-    from spanserve.cache.storage import bytes_per_block
-
     cfg = llama3_8b_config()
     weights = 2 * sum(math.prod(s) for s in weight_shapes(cfg).values())
     kv_tok = bytes_per_block(cfg, 16, torch.bfloat16) / 16
