@@ -264,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--gpu", action="store_true", help="random Llama-3-8B bf16 on cuda, ~100 decode steps")
     ap.add_argument("--gbps", type=float, default=2740.0, help="measured HBM bandwidth for the roofline")
+    ap.add_argument("--phases-only", action="store_true",
+                    help="skip the side-by-side comparison (to time an older spanserve on PYTHONPATH)")
     ap.add_argument("--out", default="decode_step_host.json")
     args = ap.parse_args(argv)
     if args.gpu and args.tokens == 64:
@@ -282,11 +284,13 @@ def main(argv: list[str] | None = None) -> None:
              v.get("async_step", v["step"])] for k, v in results.items()]
     print(f"decode steps at batch {args.batch}, median ms per step by phase")
     print(format_table(headers, rows))
-    eng = make_engine(args)
-    sbs = side_by_side(eng, args)
-    eng.shutdown()
-    print(f"\nreplaced vs replacing host functions, ms per step at batch {args.batch} (same run)")
-    print(format_table(["what", "old ms", "new ms"], [[r["what"], r["old_ms"], r["new_ms"]] for r in sbs]))
+    sbs: list[dict[str, Any]] = []
+    if not args.phases_only:
+        eng = make_engine(args)
+        sbs = side_by_side(eng, args)
+        eng.shutdown()
+        print(f"\nreplaced vs replacing host functions, ms per step at batch {args.batch} (same run)")
+        print(format_table(["what", "old ms", "new ms"], [[r["what"], r["old_ms"], r["new_ms"]] for r in sbs]))
     payload: dict[str, Any] = {"args": vars(args), "phases_ms": results, "side_by_side": sbs}
     if args.gpu:
         payload["roofline"] = roofline(args)
