@@ -272,10 +272,13 @@ def main(argv: list[str] | None = None) -> None:
         args.tokens = 110
     set_threads(args.threads)
     results: dict[str, dict[str, float]] = {}
+    sbs: list[dict[str, Any]] = []
     for mode in MODES:
         for path, fn in (("offline", run_offline), ("async", run_async)):
             eng = make_engine(args)
             results[f"{path}/{mode}"] = fn(eng, mode, args)
+            if not sbs and not args.phases_only:  # on a finished engine: its device, vocabulary, tokenizer
+                sbs = side_by_side(eng, args)
             eng.shutdown()
             del eng
             free_device_memory()
@@ -284,11 +287,7 @@ def main(argv: list[str] | None = None) -> None:
              v.get("async_step", v["step"])] for k, v in results.items()]
     print(f"decode steps at batch {args.batch}, median ms per step by phase")
     print(format_table(headers, rows))
-    sbs: list[dict[str, Any]] = []
-    if not args.phases_only:
-        eng = make_engine(args)
-        sbs = side_by_side(eng, args)
-        eng.shutdown()
+    if sbs:
         print(f"\nreplaced vs replacing host functions, ms per step at batch {args.batch} (same run)")
         print(format_table(["what", "old ms", "new ms"], [[r["what"], r["old_ms"], r["new_ms"]] for r in sbs]))
     payload: dict[str, Any] = {"args": vars(args), "phases_ms": results, "side_by_side": sbs}
