@@ -10,7 +10,7 @@ import transformers
 from tiny_models import make_tiny_tokenizer
 from tokenizers import Tokenizer, decoders, models
 
-from spanserve.engine.detokenize import IncrementalText
+from spanserve.engine.detokenize import IncrementalText, make_decoder
 
 
 def _metaspace() -> transformers.PreTrainedTokenizerFast:
@@ -63,3 +63,19 @@ def test_each_update_decodes_a_short_window() -> None:
         ids += word
         inc.update(ids)
     assert inc.text == tok.decode(ids) and max(seen) <= 2 * len(word)
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_make_decoder_equals_tokenizer_decode(name: str, clean_up: bool) -> None:
+    """The direct backend call (no clean-up configured) and the wrapper route (clean-up on) both
+    spell what tokenizer.decode(ids, skip_special_tokens=True) does, special tokens included."""
+    tok = TOKENIZERS[name]()
+    tok.clean_up_tokenization_spaces = clean_up
+    decode = make_decoder(tok)
+    assert (decode.func == tok._tokenizer.decode) == (not clean_up)  # which route was taken
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 30))]
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=True)
+    assert make_decoder(None)([1, 2]) == ""

@@ -358,3 +358,26 @@ def test_sampler_rejects_mismatched_inputs() -> None:
         Sampler()(torch.zeros(2, 4), [SamplingParams()], [None, None])
     with pytest.raises(ValueError, match=r"\[batch, vocab\]"):
         Sampler()(torch.zeros(4), [SamplingParams()], [None])
+
+
+def test_uniforms_seeded_rows_own_stream_unseeded_rows_one_global_fill() -> None:
+    """Reference: a seeded row is its generator's first V uniforms; the unseeded rows, in order,
+    are one fill of the global RNG (seeded rows draw nothing from it)."""
+    from spanserve.engine.sampling import _uniforms
+
+    v = 37
+    for pattern in ("all-none", "all-seeded", "mixed"):
+        seeds = [None] * 6 if pattern == "all-none" else list(range(6)) if pattern == "all-seeded" \
+            else [None, 3, None, None, 8, None]
+        with torch.random.fork_rng():
+            torch.manual_seed(11)
+            got = _uniforms(torch.Size((6, v)), torch.device("cpu"), [make_generator(s) for s in seeds])
+            torch.manual_seed(11)
+            free = [i for i, s in enumerate(seeds) if s is None]
+            want_free = torch.empty((len(free), v), dtype=torch.float64).uniform_()
+        assert got.dtype == torch.float64 and got.shape == (6, v)
+        for i, s in enumerate(seeds):
+            if s is not None:
+                want = torch.empty(v, dtype=torch.float64).uniform_(generator=make_generator(s))
+                assert torch.equal(got[i], want)
+        assert torch.equal(got[free], want_free)

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from spanserve.cache.block_pool import Block
-from spanserve.cache.table import Entry, Table, delta_array, slot_array
+import numpy as np
+
+from spanserve.cache.table import Entry, Table, delta_array, slot_array, tail_slots
 
 if TYPE_CHECKING:
     from spanserve.cache.manager import Unit
@@ -72,6 +74,17 @@ class Task:
         self.entries = entries
         self._slots = None
         self._deltas = False
+
+    def extend_entries(self, table: Table, added: int) -> None:
+        """`table` covers `added` more positions at its end, every earlier one as before (decode
+        growth): the cached slots are extended, not rebuilt from every entry, which would cost
+        O(context) per request per step; all-zero deltas stay None while the new keys are too."""
+        slots, deltas = self._slots, self._deltas
+        self.set_entries(table)
+        if slots is not None:
+            self._slots = np.concatenate([slots, tail_slots(table, added, self.block_size)])
+        if deltas is None and not table[-min(len(table), added):, 1].any():
+            self._deltas = None
 
 
 @dataclass

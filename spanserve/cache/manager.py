@@ -54,10 +54,22 @@ class Unit:
     source: "Unit | None" = None  # under a selective policy: the shared segment this run recomputes
     packed: bytes | None = field(default=None, repr=False)  # the tokens as int32 LE, if the piece had them
     tail_key: int | None = field(default=None, repr=False)  # key of a partial last block (hashed with the chain)
+    owns_tokens: bool = field(default=False, repr=False)  # tokens is this unit's own list (final units)
 
     @property
     def delta(self) -> int:
         return self.start - self.local_start
+
+
+def _follow(u: Unit, row: list[int]) -> None:
+    """Keep a final unit's tokens equal to row[u.start:] as generation appends to the row: copied
+    once into a list the unit owns, then extended by the new tokens only, since a copy per decode
+    step would cost O(context) per request."""
+    have = u.start + len(u.tokens)
+    if not u.owns_tokens or have > len(row):
+        u.tokens, u.owns_tokens = row[u.start:], True
+    elif have < len(row):
+        u.tokens.extend(row[have:])  # type: ignore[attr-defined]
 
 
 def computed_upto(tasks: list[Task]) -> int:
@@ -304,7 +316,7 @@ class CacheManager:
         n_new = -(-(need - grow) // bs)
         if self.pool.num_free < n_new:
             return False
-        old, n_old = task.entries, len(u.blocks)
+        old, n_old, added = task.entries, len(u.blocks), need
         u.n_valid[-1] += grow
         need -= grow
         for _ in range(n_new):
@@ -318,7 +330,7 @@ class CacheManager:
         # rather than rebuilt from every block each decode step, unless it is not that table
         if (isinstance(old, np.ndarray) and n_old and len(old) == sum(len(x.blocks) for x in req.units) - n_new
                 and old[-1, 0] == u.blocks[n_old - 1].id and old[-1, 2] + grow == u.n_valid[n_old - 1]):
-            task.set_entries(grown(old, grow, u.blocks[n_old:], u.delta, u.n_valid[n_old:]))
+            task.extend_entries(grown(old, grow, u.blocks[n_old:], u.delta, u.n_valid[n_old:]), added)
         else:
             task.set_entries(self.entries(req.units))
         return True
@@ -334,7 +346,7 @@ class CacheManager:
         through: list[Block] = []  # standalone-segment blocks published now, for the remote store
         for u in req.units + req.sources:
             if u.final:
-                u.tokens = req.main.tokens[u.start:]
+                _follow(u, req.main.tokens)
             if u.plus:
                 done_upto = len(u.tokens) if (u.task is None or not u.task.todo) else 0
             else:

@@ -76,6 +76,18 @@ def slot_array(entries: "list[Entry] | Table", block_size: int) -> np.ndarray:
     return np.repeat(base - (np.cumsum(n) - n), n) + np.arange(int(n.sum()), dtype=np.int64)
 
 
+def tail_slots(table: Table, n: int, block_size: int) -> np.ndarray:
+    """slot_array(table)[-n:] from the few last entries that hold those n keys (decode growth:
+    usually one entry, so plain ints beat the few numpy calls of slot_array)."""
+    out: list[int] = []
+    i = len(table) - 1
+    while len(out) < n and i >= 0:
+        block, _, n_valid = table[i].tolist()
+        out[:0] = range(block * block_size, block * block_size + n_valid)
+        i -= 1
+    return np.array(out[len(out) - n:] if n > 0 else [], np.int64)
+
+
 def delta_array(entries: "list[Entry] | Table") -> np.ndarray | None:
     """Per-key delta, or None when every entry has delta 0 (plain prompts pay nothing)."""
     cols = _columns(entries)

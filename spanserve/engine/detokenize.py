@@ -12,8 +12,9 @@ places, which is why the window starts a little before the new tokens:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 _REPLACEMENT = "\ufffd"
 
@@ -37,3 +38,24 @@ class IncrementalText:
             self.text += window[len(before):]
             self._prefix, self._read = self._read, len(ids)
         return self.text
+
+
+def make_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)` as a function of ids. A fast (Rust)
+    tokenizer that adds no clean-up after its backend's decode is called directly: the
+    transformers wrapper's argument handling costs about twice the decode itself, and a batch-64
+    decode step makes two such calls per request."""
+    if tokenizer is None:
+        return lambda ids: ""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if _is_fast(tokenizer) and backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return functools.partial(backend.decode, skip_special_tokens=True)
+    return functools.partial(tokenizer.decode, skip_special_tokens=True)
+
+
+def _is_fast(tokenizer: Any) -> bool:
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return False
+    return isinstance(tokenizer, PreTrainedTokenizerFast)

@@ -19,7 +19,7 @@ from spanserve.cache.tiers import BlockShape, OffloadConfig, model_fingerprint
 from spanserve.cache.tiers.stack import TierStack
 from spanserve.engine.layout import Segment, checked_many, checked_tokens, resolve
 from spanserve.engine.layout import sink_prefix as layout_sink_prefix
-from spanserve.engine.detokenize import IncrementalText
+from spanserve.engine.detokenize import IncrementalText, make_decoder
 from spanserve.engine.outputs import RequestOutput, find_stop
 from spanserve.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from spanserve.engine.request import Request, Status
@@ -140,6 +140,7 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, self.storage, backend, cuda_graphs)
         self.sampler = Sampler()
         self.grammars = Grammars(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+        self._decode = make_decoder(self.tokenizer)
         limit = min(self.config.max_position_embeddings, num_blocks * block_size)
         self.max_model_len = min(max_model_len or limit, limit)
         self.requests: dict[str, Request] = {}
@@ -300,7 +301,7 @@ class LLMEngine:
         p = req.params
         prev_len = len(req.text)
         if req.detok is None:
-            req.detok = IncrementalText(self._detok)
+            req.detok = IncrementalText(self._decode)
         req.text = req.detok.update(req.output_token_ids)
         reason: str | None = None
         grammar_done = req.request_id in self.grammars and self._advance_grammar(req, tok)
@@ -371,9 +372,7 @@ class LLMEngine:
         return blocks is not None
 
     def _detok(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self._decode(ids)
 
     def _finish_output(self, req: Request) -> RequestOutput:
         self.requests.pop(req.request_id, None)

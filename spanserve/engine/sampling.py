@@ -6,10 +6,10 @@ Every filter is defined by a value threshold rather than by a position in a sort
 list, so tied tokens at a cut-off are kept or dropped together and the support
 never depends on how a sort happened to order equal values.
 
-Each sampled row draws its randomness from its own generator (exponential race:
-argmax(p / q), q ~ Exp(1)), consuming exactly V uniforms per step; greedy rows
-draw nothing. A seeded request therefore yields the same tokens whatever else
-shares its batch.
+Each seeded row draws its randomness from its own generator (exponential race:
+argmax(p / q), q ~ Exp(1)), consuming exactly V uniforms per step; unseeded rows
+share one draw from the global RNG; greedy rows draw nothing. A seeded request
+therefore yields the same tokens whatever else shares its batch.
 """
 from __future__ import annotations
 
@@ -261,6 +261,23 @@ def filtered_probs(logits_row: torch.Tensor, params: SamplingParams) -> torch.Te
     return _filter_probs(row, [params])[0]
 
 
+def _uniforms(shape: torch.Size, device: torch.device,
+              generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """float64 uniforms [B, V]: each seeded row filled from its own generator, which makes it
+    independent of its neighbours and its position in the batch; the unseeded rows (chat traffic:
+    all of them) share the global RNG, so they take one fill together rather than a launch each."""
+    u = torch.empty(shape, dtype=torch.float64, device=device)
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if not seeded:
+        return u.uniform_()
+    for i in seeded:
+        u[i].uniform_(generator=generators[i])
+    if len(seeded) < len(generators):
+        free = [i for i, g in enumerate(generators) if g is None]
+        u[free] = torch.empty((len(free), shape[-1]), dtype=torch.float64, device=device).uniform_()
+    return u
+
+
 class Sampler:
     """Picks one token per row of logits [B, V]; see the module docstring."""
 
@@ -322,11 +339,7 @@ class Sampler:
         # uniforms are multiples of 2**-24, too coarse near 0 where the small,
         # race-winning q come from; the log can then run in float32, which keeps
         # full relative precision for small values.
-        u = torch.empty(probs.shape, dtype=torch.float64, device=probs.device)
-        # One fill per row from that row's own generator: this is what makes a
-        # seeded row independent of its neighbours and its position in the batch.
-        for i, g in enumerate(generators):
-            u[i].uniform_(generator=g)
+        u = _uniforms(probs.shape, probs.device, generators)
         q = torch.log1p(-u.to(torch.float32)).neg_()
         scores = probs / q
         # q can be 0 (score inf) or inf (score 0, like a filtered-out token);
