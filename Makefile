@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 
 # Two workers (this is a 2-core machine); a file's tests share one worker and its module fixtures.
 test: $(STAMP)
-	$(PY) -m pytest tests -n 2 --dist loadfile
+	$(PY) -m pytest tests -n 2 --dist loadfile --durations=25
 
 run: $(STAMP)
 	$(VENV)/bin/spanserve serve --model smollm2

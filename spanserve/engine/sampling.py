@@ -109,8 +109,6 @@ class SamplingParams:
             raise ValueError(
                 f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}"
             )
-        if self.response_format is not None and not isinstance(self.response_format, dict):
-            raise ValueError(f"response_format must be a dict (OpenAI's object) or None, got {self.response_format!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         for i, s in enumerate(self.stop):
