@@ -227,11 +227,18 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def _pass(node: Node, rules: Sequence[Rule], options: Options) -> tuple[Node, bool]:
-    changed = False
+def _pass(node: Node, rules: Sequence[Rule], options: Options,
+          memo: dict[int, tuple[Node, bool]] | None = None) -> tuple[Node, bool]:
+    # Rewrites share subtrees (a plus of one generation twice holds one node twice): each shared
+    # node is rewritten once per pass, or a pass would walk the expanded tree, exponential in depth.
+    memo = {} if memo is None else memo
+    hit = memo.get(id(node))
+    if hit is not None:
+        return hit
+    start, changed = node, False
     old_kids = children(node)
     if old_kids:
-        results = [_pass(k, rules, options) for k in old_kids]
+        results = [_pass(k, rules, options, memo) for k in old_kids]
         if any(c for _, c in results):
             node, changed = with_children(node, tuple(k for k, _ in results)), True
     for rule in rules:
@@ -239,6 +246,7 @@ def _pass(node: Node, rules: Sequence[Rule], options: Options) -> tuple[Node, bo
         # A rule that returns an equal node would otherwise spin until MAX_PASSES.
         if out is not None and out != node:
             node, changed = out, True
+    memo[id(start)] = (node, changed)
     return node, changed
 
 
