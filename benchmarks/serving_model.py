@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from common import llama3_8b_config  # benchmarks/ is on sys.path (run as a script, or from serving.py)
 from spanserve.model.config import ModelConfig
 from spanserve.model.loader import expected_shapes
 
@@ -34,15 +35,6 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m[
                  "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|> assistant{% endif %}")
 # The generation prompt ends in a word: random models tend to repeat the last token, and a run of
 # special tokens would decode (skip_special_tokens) to no text at all.
-
-
-def llama3_8b() -> ModelConfig:
-    return ModelConfig(
-        arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-        max_position_embeddings=131072, bos_token_id=128000, eos_token_ids=(128001, 128009))
 
 
 def special_ids(vocab_size: int) -> dict[int, str]:
@@ -156,7 +148,7 @@ def copy_bandwidth(device: torch.device) -> float:
 def prepare(path: Path, dry: bool) -> Prepared:
     t0 = time.perf_counter()
     device = torch.device("cpu" if dry else "cuda")
-    config, dtype = (tiny(), torch.float32) if dry else (llama3_8b(), torch.bfloat16)
+    config, dtype = (tiny(), torch.float32) if dry else (llama3_8b_config(), torch.bfloat16)
     if not (path / "config.json").is_file():
         write_model(path, config, device, dtype)
     weight_bytes, kv = sizes(config, dtype)
