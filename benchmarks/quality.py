@@ -161,12 +161,6 @@ def run_group(llm: LLM, group: list[Case], tag: str, vs: list[Variant], args: ar
             batch.append(seg)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     many = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    if any(v.anchor == "sink" for v in vs):
-        # Sink-anchored segments depend on the sink prefix only, which a pin cannot name: a request
-        # of the sink prefix, the segments and a one-token stand-in question encodes them once.
-        sink = list(llm.engine.sink_prefix)
-        llm.generate([[Segment(token_ids=sink)] + c.segments("sink")[1:-1] + [Segment(token_ids=c.suffix[:1])]
-                      for c in group], one)
     recs = [{"family": c.family, "layout": c.layout, "index": c.index, "answer": c.answer, "timed": c.index < args.timed,
              "prompt_tokens": c.prompt_tokens, "context_tokens": c.context_tokens, "policies": {}} for c in group]
 
@@ -190,6 +184,14 @@ def run_group(llm: LLM, group: list[Case], tag: str, vs: list[Variant], args: ar
 
     for v in vs:
         layouts = [c.segments(v.anchor) for c in group]
+        if v.anchor == "sink":
+            # Sink-anchored segments depend on the sink prefix only, which a pin cannot name: a
+            # request of the sink prefix, the segments and a one-token stand-in question encodes
+            # them, right before the variant runs (unpinned blocks earlier would be LRU-evicted by
+            # the variants in between).
+            sink = list(llm.engine.sink_prefix)
+            llm.generate([[Segment(token_ids=sink)] + lay[1:-1] + [Segment(token_ids=c.suffix[:1])]
+                          for c, lay in zip(group, layouts)], one)
         for c, lay, rec in zip(group, layouts, recs):  # 1. the timed cases alone: TTFT, reuse, recompute
             if rec["timed"]:
                 out = llm.generate(lay, one, policy=v.policy)[0]
