@@ -17,12 +17,13 @@ from spanserve.cache.claim import Admission, Holding, Task
 from spanserve.cache.planning import Plan, all_hit, fresh_plan, place_hits, plan_unit, reuse_kind, touched
 from spanserve.cache.storage import KVStorage
 from spanserve.cache.table import Table, grown, truncate
+from spanserve.cache.tier_loads import load_missing, tier_reuse
+from spanserve.cache.tiers.loader import LoadJob
 from spanserve.cache.units import Unit, build_units, follow, table as unit_table
 from spanserve.reuse.recompute import RecomputeSpec
 
 # the names tests and benchmarks reach for
 _Plan, _all_hit, _follow = Plan, all_hit, follow
-TIER_NAMES = ("host", "disk", "store")  # the tiers below the pool, as reuse counts name them
 
 
 def computed_upto(tasks: list[Task]) -> int:
@@ -46,6 +47,16 @@ class CacheManager:
         # cache.tiers.stack.TierStack or None: blocks missing here are looked up below the pool
         self.tiers = tiers
 
+    # ---- loads from the tiers below the pool (asynchronous mode) -----------------------------
+    def drop_loads(self, job: LoadJob) -> None:
+        """The request waiting on `job` went away: nothing it loads is installed."""
+        if self.tiers is not None:
+            self.tiers.drop(job)
+
+    def wait_loads(self, jobs: list[LoadJob], timeout: float) -> bool:
+        """Sleep until one of `jobs` is done (True) or `timeout` seconds pass."""
+        return self.tiers.wait(jobs, timeout) if self.tiers is not None and jobs else False
+
     # ---- lookup ---------------------------------------------------------------------------
     def _plan_unit(self, seed: int, tokens: Sequence[int], keys: list[int], extended: bool,
                    packed: bytes | None = None, tail_key: int | None = None) -> Plan:
@@ -55,14 +66,20 @@ class CacheManager:
     def _units(self, adm: Admission) -> list[Unit]:
         return build_units(adm, self.block_size)
 
-    def admit(self, adm: Admission) -> Holding | None:
+    def admit(self, adm: Admission, loads: LoadJob | None = None) -> Holding | LoadJob | None:
         """Give a waiting request its blocks and tasks. None (and nothing changed) when the pool
-        cannot hold it now."""
+        cannot hold it now. With asynchronous tier loads, a request whose missing blocks are
+        being asked of the tiers gets that LoadJob back instead: it waits, and once the job is
+        done it is admitted again with it (`loads`), finding what was loaded as pool hits."""
         units = self._units(adm)
         loaded = None
-        if self.tiers is not None:  # what tiers hold becomes ordinary pool hits before planning
-            loaded = self.tiers.fill(self.pool, [(u.seed, u.keys, u.tokens, u.tail_key, u.final)
-                                                 for v in units for u in (v, v.source) if u])
+        # what the tiers hold becomes ordinary pool hits before planning (unless every position
+        # is computed anyway)
+        if self.tiers is not None:
+            got = Counter() if adm.compute_all else load_missing(self.tiers, self.pool, units, loads)
+            if isinstance(got, LoadJob):
+                return got
+            loaded = got
         plans = [self._plan_unit(u.seed, u.tokens, u.keys, u.final, u.packed, u.tail_key) for u in units]
         sources: list[Unit] = []
         if adm.compute_all:
@@ -130,7 +147,7 @@ class CacheManager:
             req.held = kept + [b for i in eager for b in units[i].blocks]
         req.reuse = reuse
         if loaded is not None:  # of the hits, tokens loaded from each tier below the pool
-            req.reuse.update({t: loaded.get(t, 0) for t in TIER_NAMES})
+            req.reuse.update(tier_reuse(loaded))
         req.units = units
         req.sources = sources
         req.tasks = self._tasks(adm, units, sources)
