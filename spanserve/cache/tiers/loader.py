@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,11 +28,11 @@ class LoadJob:
     `done` is set by the loader once `found` is final; `dropped` by the engine thread when the
     request went away (the loader then skips it, and nothing is installed)."""
 
-    chains: list[Chain]
-    want: dict[int, Want]  # key -> the block it must be
-    serves: dict[int, int]  # key -> prompt tokens the block serves
+    chains: list[Chain] = field(repr=False)
+    want: dict[int, Want] = field(repr=False)  # key -> the block it must be
+    serves: dict[int, int] = field(repr=False)  # key -> prompt tokens the block serves
     room: int  # free pool blocks at lookup: no point loading more
-    found: list[tuple[str, BlockKV]] = field(default_factory=list)  # (tier name, block)
+    found: list[tuple[str, BlockKV]] = field(default_factory=list, repr=False)  # (tier name, block)
     done: bool = False
     dropped: bool = False
 
@@ -62,14 +63,17 @@ def load_nearest(tiers: Sequence[Tier], want: dict[int, Want], room: int) -> lis
 
 
 class Loader:
-    """One background thread running load jobs in submission order."""
+    """A few background threads running load jobs, taken in submission order: one slow load (a
+    store at its timeout, a long disk read) does not hold up the requests behind it."""
 
-    def __init__(self, tiers: Sequence[Tier]):
+    def __init__(self, tiers: Sequence[Tier], threads: int = 4):
         self.tiers = list(tiers)
         self._jobs: queue.SimpleQueue[LoadJob | None] = queue.SimpleQueue()
         self._landed = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="spanserve-kv-load", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"spanserve-kv-load-{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
 
     def submit(self, job: LoadJob) -> None:
         self._jobs.put(job)
@@ -96,6 +100,8 @@ class Loader:
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop after the jobs queued so far (a tier's loads are bounded by its own timeouts)."""
-        if self._thread.is_alive():
+        for _ in self._threads:
             self._jobs.put(None)
-            self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))

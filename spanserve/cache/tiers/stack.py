@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from spanserve.cache.block_pool import Block, BlockPool
@@ -134,6 +135,14 @@ class TierStack:
         key, extended) per unit) missing from the pool, as a job for the tiers; None when nothing
         is missing or the pool has no room for a single load."""
         want, serves, held = self._missing(pool, chains)
+        if want and not any(t.remote for t in self.tiers):
+            # local tiers only: their indexes are in memory, so a cold layout starts no load
+            # (and does not wait for one); only blocks some tier holds are asked for
+            keys = list(want)
+            somewhere = np.zeros(len(keys), bool)
+            for t in self.tiers:
+                somewhere |= t.contains_many(keys)
+            want = {k: want[k] for k, there in zip(keys, somewhere) if there}
         if not want:
             return None
         pool.acquire_many(held)  # this layout's own hits are not room for loads
