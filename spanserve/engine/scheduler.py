@@ -82,7 +82,8 @@ class Scheduler:
         or when its missing blocks are now being loaded from the tiers below the pool (it is then
         in `loading` until they land, and is admitted with them)."""
         job = self.loading.pop(req.request_id, None)
-        kv = self.manager.admit(req.admission(), job)
+        adm = req.admission()
+        kv = self.manager.admit(adm) if job is None else self.manager.admit(adm, job)
         if isinstance(kv, LoadJob):
             self.loading[req.request_id] = kv
             return False
