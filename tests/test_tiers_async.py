@@ -78,9 +78,9 @@ def _engine(loaded, async_loads: bool = True, store_url: "str | None" = None) ->
                      kv_offload={"cpu_bytes": "1MiB", "async_loads": async_loads, "store_url": store_url})
 
 
-def _to_host(eng: LLMEngine, layout) -> set[int]:
+def _to_host(eng: LLMEngine, layout) -> dict[int, BlockKV]:
     """Compute the layout's prompt once, then move every block the pool cached to the host tier
-    (and out of the pool). Returns their keys."""
+    (and out of the pool). Returns them by key."""
     req = eng.add_request(layout, SamplingParams(max_tokens=1, temperature=0))
     while eng.has_unfinished():
         eng.step()
@@ -89,12 +89,12 @@ def _to_host(eng: LLMEngine, layout) -> set[int]:
     kv = torch.empty((len(cached), *eng.tiers.shape.dims), dtype=eng.dtype)
     eng.storage.read_blocks([b.id for b in cached], kv)
     eng.tiers.host.drain()
-    eng.tiers.host.store_many([BlockKV(b.key, b.tokens, kv[i], b.parent) for i, b in enumerate(cached)])
-    keys = {b.key for b in cached}
+    blocks = {b.key: BlockKV(b.key, b.tokens, kv[i], b.parent) for i, b in enumerate(cached)}
+    eng.tiers.host.store_many(list(blocks.values()))
     for b in cached:
         eng.pool.evict(b)
     assert eng.pool.num_free == N_BLOCKS and eng.pool.num_cached == 0
-    return keys
+    return blocks
 
 
 def _run(eng: LLMEngine, bound: int = 500) -> None:
@@ -114,7 +114,7 @@ def test_others_run_while_a_request_loads(loaded, layouts, expected, request, st
     if redis is not None:
         redis.client().flushdb()
     eng = _engine(loaded, store_url=redis.url if redis is not None else None)
-    gate = Gate(eng.tiers.host.load_many, held=_to_host(eng, a_layout))
+    gate = Gate(eng.tiers.host.load_many, held=set(_to_host(eng, a_layout)))
     eng.tiers.host.load_many = gate
     misses = eng.tiers.store.stats.misses if store else 0
     seen = capture_logits(eng)
@@ -171,6 +171,32 @@ def test_abort_while_loading_installs_nothing(loaded, layouts, expected):
     _run(eng)
     assert b.output_token_ids == expected[1] and a.output_token_ids == expected[0]
     assert a.reuse["host"] > 0
+    assert eng.pool.num_free == N_BLOCKS
+    eng.shutdown()
+
+
+def test_a_block_that_reached_the_pool_meanwhile_is_not_loaded(loaded, layouts, expected):
+    a_layout, _ = layouts
+    eng = _engine(loaded)
+    blocks = _to_host(eng, a_layout)
+    gate = Gate(eng.tiers.host.load_many)
+    eng.tiers.host.load_many = gate
+    a = eng.add_request(a_layout, GREEDY)
+    eng.step()
+    assert gate.entered.wait(10) and a.request_id in eng.scheduler.loading
+    # while the load is held, every other full block reaches the pool (as if computed by another
+    # request); the partial tails stay below, so each moved block serves exactly BS tokens
+    moved = [kv for kv in blocks.values() if len(kv.tokens) == BS][::2]
+    into = [eng.pool.allocate() for _ in moved]
+    eng.storage.write_blocks([b.id for b in into], [kv.kv for kv in moved])
+    for b, kv in zip(into, moved):
+        eng.pool.register(b, kv.key, kv.tokens, parent=kv.parent)
+    eng.pool.release_many(into)
+    gate.open.set()
+    _run(eng)
+    assert a.output_token_ids == expected[0] and len(moved) >= 2
+    assert len(eng.scheduler.loading) == 0 and a.num_cached_tokens == 27  # all but the last token
+    assert a.reuse["host"] == eng.tiers.served["host"] == a.num_cached_tokens - BS * len(moved)
     assert eng.pool.num_free == N_BLOCKS
     eng.shutdown()
 
