@@ -1,7 +1,7 @@
 """What admission asks of the tiers below the pool: every unit of a layout (and every shared
 segment a policy recomputes from) at once, so prefix, perforated and segment lookups alike find
 the blocks a tier holds. Loads happen either inside admission (synchronous) or on the tiers'
-loader thread while the request waits and others run (asynchronous, the default); either way the
+loader threads while the request waits and others run (asynchronous, the default); either way the
 loaded blocks are ordinary pool hits by the time the request is planned."""
 from __future__ import annotations
 

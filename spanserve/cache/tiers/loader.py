@@ -1,7 +1,7 @@
 """Loads from the tiers below the pool, off the engine thread. The engine thread finds which of a
-layout's blocks the pool lacks (a `LoadJob`), a background thread asks the tiers for them, nearest
-first, and the engine thread later copies what came back into free pool blocks. Only the tier I/O
-runs here: the pool and the device are touched by the engine thread alone."""
+layout's blocks the pool lacks (a `LoadJob`), one of a few background threads asks the tiers for
+them, nearest first, and the engine thread later copies what came back into free pool blocks.
+Only the tier I/O runs here: the pool and the device are touched by the engine thread alone."""
 from __future__ import annotations
 
 import logging

@@ -151,7 +151,7 @@ class TierStack:
         return LoadJob(list(chains), want, serves, room) if room else None
 
     def start(self, pool: BlockPool, chains: Sequence[Chain]) -> LoadJob | None:
-        """Engine thread: look the layout up and hand its missing blocks to the loader thread.
+        """Engine thread: look the layout up and hand its missing blocks to the loader.
         The job is `done` once the tiers answered; `install` it then."""
         job = self.lookup(pool, chains)
         if job is not None:
