@@ -254,12 +254,12 @@ class LLMEngine:
                 for r in done_pins:
                     self._pin(r)
                 return [self._finish_output(r) for r in done_pins]
-            if self.scheduler.waiting and not self.scheduler.running:
-                # Nothing runs and the head of the queue cannot be admitted: fail it rather than hang.
-                req = self.scheduler.waiting[0]
+            req = self.scheduler.stuck()
+            if req is not None:  # nothing runs and it cannot be admitted: fail it rather than hang
                 req.finish_reason = "length"
                 self.scheduler.finish(req)
                 return [self._finish_output(req)]
+            self.scheduler.wait_for_loads()  # only requests waiting on tier loads: sleep, not spin
             return []
         if any(wants_prompt_logprobs(c) for c in sched.chunks):
             logits, rows, hidden = self.runner.run_keep_hidden(sched.chunks)
