@@ -23,10 +23,10 @@ from spanserve.model.config import ModelConfig
 
 def whole_model_fingerprint(source: Any, config: ModelConfig, dtype: torch.dtype, block_size: int,
                             device: torch.device) -> bytes:
-    return model_fingerprint(config, _LeadingRows(source, config, dtype, device), dtype, block_size)
+    return model_fingerprint(config, LeadingRows(source, config, dtype, device), dtype, block_size)
 
 
-class _LeadingRows(Mapping):
+class LeadingRows(Mapping):
     """The whole model's tensors by name as TP=1 loads them, each cut to the leading rows that
     hold the bytes `model_fingerprint` samples (flattened, a tensor starts with its first rows)."""
 
