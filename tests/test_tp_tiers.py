@@ -1,7 +1,8 @@
-"""KV tiers under tensor parallelism (TP=2, gloo, two processes): blocks evicted from a small pool
-go to host memory and disk as whole blocks (every rank's heads) and come back into every rank's
-heads, with the outputs of TP=1 without tiers; a disk tier written at TP=2 serves TP=1 and one
-written at TP=1 serves TP=2 (also with a KV head replicated over both ranks)."""
+"""KV tiers under tensor parallelism (TP=2, gloo, two processes). Tiers keep whole blocks (every
+rank's heads): blocks evicted from a small pool go to host memory and disk, standalone segments
+through to Redis, and come back into every rank's heads with the outputs of TP=1 without tiers;
+a disk tier written at TP=2 serves TP=1 and one written at TP=1 serves TP=2 (also with a KV head
+replicated over both ranks)."""
 import dataclasses
 
 import pytest
@@ -50,10 +51,11 @@ def ref(model):
 
 
 @pytest.fixture(scope="module")
-def tp(model, tmp_path_factory):
+def tp(model, tmp_path_factory, redis_server):
     disk = tmp_path_factory.mktemp("tp-kv") / "kv"
     llm = LLM(str(model), block_size=BS, num_blocks=POOL, tensor_parallel_size=2,
-              kv_offload={"cpu_bytes": 20 * 2048, "disk_path": str(disk), "disk_bytes": "8MiB"})  # host: 20 blocks
+              kv_offload={"cpu_bytes": 20 * 2048, "disk_path": str(disk), "disk_bytes": "8MiB",  # host: 20 blocks
+                          "store_url": redis_server.url, "store_timeout_ms": 5000})
     yield llm, disk
     llm.shutdown()
 
@@ -78,6 +80,16 @@ def test_evicted_blocks_come_back_with_tp1_outputs(ref, tp):
     assert cold == {"host": 0, "disk": 0}
     assert e.tiers.flush()
     assert len(e.tiers.host) == 20 and len(e.tiers.disk) > 0  # the host tier spilled to disk
+    # the documents went through to the store as soon as they were computed: TP=1's KV, every head
+    ref_blocks = [b for b in ref.engine.pool.blocks if b.key is not None]
+    stored = e.tiers.store.load_many([b.key for b in ref_blocks])
+    assert sum(x is not None for x in stored) >= sum(len(d) // BS for d in DOCS)
+    want = torch.empty(len(ref_blocks), *e.tiers.shape.dims)
+    ref.engine.storage.read_blocks([b.id for b in ref_blocks], want)
+    for b, w, x in zip(ref_blocks, want, stored):
+        if x is not None:
+            n = len(b.tokens)
+            torch.testing.assert_close(x.kv[:, :, :n], w[:, :, :n], rtol=0, atol=1e-5)
     # newest first: host memory holds the newest blocks, disk the older ones; docs reordered: new deltas
     warm = _same_outputs(ref, llm, [_layout([2, 0, 1], 2)] + PROMPTS[::-1])
     assert warm["host"] > 0 and warm["disk"] > 0, warm
