@@ -4,6 +4,9 @@ through to Redis, and come back into every rank's heads with the outputs of TP=1
 a disk tier written at TP=2 serves TP=1 and one written at TP=1 serves TP=2 (also with a KV head
 replicated over both ranks)."""
 import dataclasses
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -133,7 +136,8 @@ def test_a_disk_tier_written_at_tp2_serves_tp1(model, ref, tp):
 
 
 def test_a_replicated_kv_head_to_and_from_disk(tmp_path):
-    """One KV head over two ranks: a capture takes it once; TP=1's disk blocks serve TP=2."""
+    """One KV head over two ranks: a capture takes it once; TP=1's disk blocks serve TP=2. With
+    its worker dead, the engine shuts down without reading the pool."""
     weights = RandomWeights(ONE_KV, seed=3)
     disk = {"disk_path": str(tmp_path / "kv"), "disk_bytes": "8MiB"}
     prompts = [_toks(29, i, vocab=97) for i in range(4)]
@@ -158,6 +162,12 @@ def test_a_replicated_kv_head_to_and_from_disk(tmp_path):
         for g, d in zip(got, on_disk):
             if d is not None:
                 torch.testing.assert_close(g, d.kv, rtol=0, atol=1e-5)
+        os.kill(e.tp.procs[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while e.tp.dead is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert e.tp.dead is not None
+        two.shutdown()  # the pool cannot be read any more: not kept, and no error at shutdown
     finally:
         two.shutdown()
 
