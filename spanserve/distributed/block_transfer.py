@@ -111,7 +111,7 @@ class TPStorage(RecordingStorage):
     def write_blocks(self, ids: list[int], kvs: "Sequence[torch.Tensor] | torch.Tensor") -> None:
         """Fill whole blocks from host tensors [2, L, bs, KVH, D] each (all of the model's heads):
         every rank receives and writes its heads."""
-        if not len(ids):
+        if not ids:
             return
         group = self.driver.group
         with self.driver.collective():
