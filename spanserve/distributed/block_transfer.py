@@ -68,6 +68,13 @@ def put_blocks(storage: KVStorage, ids: list[int], kv: torch.Tensor) -> None:
     storage.v[:, idx] = kv[:, 1].transpose(0, 1)
 
 
+def _wait(storage: KVStorage) -> None:
+    """NCCL fails by never finishing: the driver waits for its collectives inside `collective()`,
+    where a worker's death is noticed, not later on a tier's thread or at shutdown."""
+    if storage.k.is_cuda:
+        torch.cuda.current_stream(storage.k.device).synchronize()
+
+
 def serve_transfer(storage: KVStorage, msg: Any) -> None:
     """Worker: this rank's side of a GatherBlocks or InstallBlocks (the ops already replayed)."""
     if isinstance(msg, GatherBlocks):
@@ -107,6 +114,7 @@ class TPStorage(RecordingStorage):
                 dist.gather(mine, parts, dst=0)
                 whole = torch.cat([parts[r] for r in self.distinct], dim=4)
                 out[lo: lo + len(part)].copy_(whole, non_blocking=out.is_pinned())
+            _wait(self)
 
     def write_blocks(self, ids: list[int], kvs: "Sequence[torch.Tensor] | torch.Tensor") -> None:
         """Fill whole blocks from host tensors [2, L, bs, KVH, D] each (all of the model's heads):
@@ -128,3 +136,4 @@ class TPStorage(RecordingStorage):
                 mine = torch.empty_like(slices[0])
                 dist.scatter(mine, slices, src=0)
                 put_blocks(self, part, mine)
+            _wait(self)
