@@ -2,6 +2,7 @@
 the control channel that carries each step's message from the driver to the workers."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -57,6 +58,9 @@ class TPGroup:
         kwargs: dict[str, Any] = {}
         if device.type == "cuda":
             kwargs["device_id"] = device  # binds the communicator to this GPU up front
+        if dist.is_initialized():  # an earlier engine's teardown failed (a peer died): start clean
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=_IDLE_FOREVER, **kwargs)
         control = dist.new_group(backend="gloo", timeout=_IDLE_FOREVER) if backend != "gloo" else dist.group.WORLD

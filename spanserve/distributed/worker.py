@@ -78,6 +78,7 @@ def worker_main(args: WorkerArgs) -> None:
         storage = KVStorage(model.config, init.num_blocks, init.block_size, args.dtype, group.device)
         runner = ModelRunner(model, storage, init.backend, init.cuda_graphs)
         serve(group, runner, storage)
+        runner.release_graphs()  # on a clean stop only: after a failure a collective may never finish
     finally:
         group.leave()
 

@@ -155,6 +155,8 @@ class LLMEngine:
             tiers, self.tiers = self.tiers, None
             tiers.close(self.pool if self.tp is None or self.tp.dead is None else None)  # dead: KV unreadable
         if self.tp is not None:
+            if self.tp.dead is None:  # a dead peer's collective never finishes: no waiting on it
+                self.runner.release_graphs()
             self.tp.close()
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
 """Model runner: turns a step's chunks into one flat batch and one attention plan."""
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -117,6 +118,15 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, backend, self.k_caches, self.v_caches, capture=graphs != "eager")
             self.step_graphs = StepGraphs(model, backend, self.k_caches, self.v_caches, self.graphs.pool,
                                           capture=graphs != "eager")
+
+    def release_graphs(self) -> None:
+        """Drop the captured CUDA graphs. Under tensor parallelism they hold NCCL collectives, and
+        NCCL does not destroy a communicator while a graph holding its work is alive: the process
+        group's teardown would wait for ever."""
+        self.graphs = self.step_graphs = None
+        gc.collect()
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
 
     def _recompute_rows(self, step: "StepInput", plan: AttentionPlan) -> list[RecomputeRow]:
         out = []
