@@ -37,31 +37,28 @@ def plan(ids: list[int], kvs: list[torch.Tensor]) -> Upload:
         _, first_from_end = np.unique(arr[::-1], return_index=True)
         keep = np.sort(len(arr) - 1 - first_from_end).tolist()
         arr = arr[keep]
+    srcs = [kvs[j] for j in keep]
+    # a block continues the run before it when it is the next contiguous view of the same base
+    # tensor (attribute reads per block, the comparison vectorized: a layout is thousands)
+    ptrs = np.array([kv.data_ptr() for kv in srcs], dtype=np.int64)
+    size = np.array([kv.numel() * kv.element_size() for kv in srcs], dtype=np.int64)
+    bases = [kv._base for kv in srcs]
+    contig = [kv.is_contiguous() for kv in srcs]
+    joins = (ptrs[1:] == ptrs[:-1] + size[:-1]).tolist()
     runs: list[torch.Tensor] = []
-    start = prev = None
-    count = 0
-    for j in keep:
-        kv = kvs[j]
-        if prev is not None and _follows(prev, kv):
-            count += 1
-        else:
-            if start is not None:
-                runs.append(_run(start, count))
-            start, count = kv, 1
-        prev = kv
-    if start is not None:
-        runs.append(_run(start, count))
+    first = 0
+    for j in range(1, len(srcs) + 1):
+        if (j < len(srcs) and joins[j - 1] and contig[j] and contig[j - 1] and bases[j] is not None
+                and bases[j] is bases[j - 1] and srcs[j].shape == srcs[first].shape
+                and srcs[j].dtype == srcs[first].dtype):
+            continue
+        runs.append(_run(srcs[first], j - first))
+        first = j
     return Upload(arr, runs)
 
 
-def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """b starts right where a ends, in the same host buffer (one copy can read both)."""
-    return (b.storage_offset() == a.storage_offset() + a.numel() and b.dtype == a.dtype
-            and a.is_contiguous() and b.is_contiguous()
-            and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr())
-
-
 def _run(first: torch.Tensor, n: int) -> torch.Tensor:
+    """`first` and the n - 1 blocks after it in its base tensor, as one [n, ...] view."""
     if n == 1:
         return first.unsqueeze(0)
     return first.as_strided((n, *first.shape), (first.numel(), *first.stride()), first.storage_offset())
