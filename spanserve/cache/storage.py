@@ -61,9 +61,13 @@ class KVStorage:
 
     def read_blocks(self, ids: list[int], out: torch.Tensor) -> None:
         """Copy whole blocks into `out` [n, 2, L, bs, KVH, D] (host memory: pinned makes it async
-        on CUDA; the caller waits on the stream before reading it)."""
+        on CUDA, nothing here waits for the device; the caller waits on the stream before reading
+        it). The pool evicting a block captures it through here, on the step path."""
+        dev = self.k.device
         for lo in range(0, len(ids), _WRITE_CHUNK):  # bounds the device buffer
-            idx = torch.tensor(ids[lo: lo + _WRITE_CHUNK], device=self.k.device)
+            idx = torch.tensor(ids[lo: lo + _WRITE_CHUNK])
+            if dev.type == "cuda":  # from pinned memory: a pageable upload would wait for the stream
+                idx = idx.pin_memory().to(dev, non_blocking=True)
             kv = torch.stack((self.k[:, idx], self.v[:, idx])).permute(2, 0, 1, 3, 4, 5)  # [n, 2, L, ...]
             out[lo: lo + len(idx)].copy_(kv, non_blocking=out.is_pinned())
 
