@@ -180,6 +180,20 @@ class Bench:
         self._sync()
         return [BlockKV(b.key, b.tokens, out[i], b.parent) for i, b in enumerate(cached)]
 
+    def check_loaded(self, blocks: list[BlockKV], sample: int = 256) -> int:
+        """Read a random sample of `blocks` back from the pool, where the last load put them, and
+        compare them with what the tier held (the load path's result on this device). Returns
+        how many were compared; raises on a difference."""
+        pick = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(1))[:sample].tolist()
+        held = [(blocks[i], self.eng.pool.lookup(blocks[i].key, blocks[i].tokens)) for i in pick]
+        held = [(kv, b) for kv, b in held if b is not None]
+        out = torch.empty((len(held), *self.eng.tiers.shape.dims), dtype=self.eng.dtype)
+        self.eng.storage.read_blocks([b.id for _, b in held], out)
+        for (kv, _), got in zip(held, out):
+            if not torch.equal(kv.kv.cpu(), got):
+                raise AssertionError(f"block {kv.key:x} differs in the pool from the tier's copy")
+        return len(held)
+
 
 def ceiling(bench: Bench, blocks: list[BlockKV], tier: str) -> float:
     """GB/s the tier's medium gives a plain reader of the same bytes, measured here: a pinned
@@ -274,10 +288,11 @@ def run(args: argparse.Namespace, store_url: str | None, disk_dir: str) -> dict[
             bench.clear_pool()
         r = results[tier] = timed(bench, args.runs, bench.ttft, reload, loads=True)
         loaded = (getattr(stack, tier).stats.hits - hits) // (args.runs + 1) * stack.shape.kv_bytes
-        r.update(loaded_bytes=loaded, load_GBps=loaded / r["load_s"] / 1e9, copy_GBps=loaded / r["copy_s"] / 1e9)
+        r.update(loaded_bytes=loaded, load_GBps=loaded / r["load_s"] / 1e9, copy_GBps=loaded / r["copy_s"] / 1e9,
+                 checked_blocks=bench.check_loaded(blocks))
         ceilings[tier] = ceiling(bench, blocks, tier)
-        print(f"  {tier}: TTFT {r['ttft_s']:.3f} s, load {r['load_s']:.3f} s (copies {r['copy_s']:.3f} s)",
-              flush=True)
+        print(f"  {tier}: TTFT {r['ttft_s']:.3f} s, load {r['load_s']:.3f} s (copies {r['copy_s']:.3f} s); "
+              f"{r['checked_blocks']} loaded blocks read back equal", flush=True)
     stack.close()
     return {"results": results, "ceiling_GBps": ceilings, "kv_bytes": kv_bytes,
             "break_even_GBps": kv_bytes / results["recompute"]["ttft_s"] / 1e9, "bounds": bounds(results, ceilings)}
