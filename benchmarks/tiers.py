@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import format_table, llama3_8b_config, median, random_model, random_tokens, save_figure, write_json  # noqa: E402
 
+from spanserve.cache import kv_upload  # noqa: E402
 from spanserve.cache.storage import bytes_per_block  # noqa: E402
 from spanserve.cache.tiers.payload import BlockKV  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
@@ -109,6 +110,7 @@ class Bench:
         self.gen, self.vocab, self.qlen = gen, v, args.question_len
         self.fill_s: list[float] = []  # whole loads: tier reads, pool bookkeeping, copies into the pool
         self.copy_s: list[float] = []  # of which the copies into the pool (write_blocks, timed on the device)
+        self.upload_runs: list[int] = []  # contiguous host runs each load's blocks came in (one copy each)
         fill, write = self.eng.tiers.fill, self.eng.storage.write_blocks
 
         laps: list[Any] = []  # (start, end) events of write_blocks, read once the fill is synchronized
@@ -119,21 +121,23 @@ class Bench:
             out = fill(*a, **k)
             self._sync()
             self.fill_s.append(time.perf_counter() - t0)
-            self.copy_s.extend(lap if isinstance(lap, float) else lap[0].elapsed_time(lap[1]) / 1e3 for lap in laps)
+            for lap, (ids, kvs) in laps:
+                self.copy_s.append(lap if isinstance(lap, float) else lap[0].elapsed_time(lap[1]) / 1e3)
+                self.upload_runs.append(len(kv_upload.plan(ids, kvs).runs))
             laps.clear()
             return out
 
-        def timed_write(*a: Any, **k: Any) -> Any:  # device events, no sync: the copies stay overlapped
+        def timed_write(*a: Any) -> Any:  # device events, no sync: the copies stay overlapped
             if self.device.type != "cuda":
                 t0 = time.perf_counter()
-                write(*a, **k)
-                laps.append(time.perf_counter() - t0)
+                write(*a)
+                laps.append((time.perf_counter() - t0, a))
                 return
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            write(*a, **k)
+            write(*a)
             end.record()
-            laps.append((start, end))
+            laps.append(((start, end), a))
         self.eng.manager.tiers.fill = timed_fill  # type: ignore[method-assign]
         self.eng.storage.write_blocks = timed_write  # type: ignore[method-assign]
 
@@ -225,6 +229,24 @@ def ceiling(bench: Bench, blocks: list[BlockKV], tier: str) -> float:
     return total / (time.perf_counter() - t0) / 1e9
 
 
+def block_copies(bench: Bench) -> float:
+    """GB/s of the host ceiling's bytes copied one KV block at a time (pinned, queued without
+    waiting): what the link gives at the granularity of separately captured blocks."""
+    piece = bench.eng.tiers.shape.kv_bytes
+    n = max(1, min(1 << 30, 512 * piece) // piece)
+    src = torch.empty(n * piece, dtype=torch.uint8, pin_memory=bench.device.type == "cuda")
+    dst = torch.empty(n * piece, dtype=torch.uint8, device=bench.device)
+    times = []
+    for _ in range(3):
+        bench._sync()
+        t0 = time.perf_counter()
+        for i in range(n):
+            dst[i * piece:(i + 1) * piece].copy_(src[i * piece:(i + 1) * piece], non_blocking=True)
+        bench._sync()
+        times.append(time.perf_counter() - t0)
+    return n * piece / min(times) / 1e9
+
+
 def place(bench: Bench, tier: str, blocks: list[BlockKV]) -> None:
     stack = bench.eng.tiers
     assert stack.flush(600)
@@ -248,6 +270,7 @@ def timed(bench: Bench, runs: int, request: "Callable[[], tuple[float, dict[str,
         before()
         bench.fill_s.clear()
         bench.copy_s.clear()
+        bench.upload_runs.clear()
         t, reuse = request()
         ttfts.append(t)
         fills += bench.fill_s[:1]
@@ -255,7 +278,7 @@ def timed(bench: Bench, runs: int, request: "Callable[[], tuple[float, dict[str,
     out = {"ttft_s": median(ttfts), "ttfts_s": ttfts, "warmup_s": warm, "reuse": reuse,
            "graph_captures": bench.graph_captures() - captures}
     if loads:
-        out.update(load_s=median(fills), loads_s=fills, copy_s=median(copies))
+        out.update(load_s=median(fills), loads_s=fills, copy_s=median(copies), upload_runs=list(bench.upload_runs))
     return out
 
 
@@ -291,6 +314,8 @@ def run(args: argparse.Namespace, store_url: str | None, disk_dir: str) -> dict[
         r.update(loaded_bytes=loaded, load_GBps=loaded / r["load_s"] / 1e9, copy_GBps=loaded / r["copy_s"] / 1e9,
                  checked_blocks=bench.check_loaded(blocks))
         ceilings[tier] = ceiling(bench, blocks, tier)
+        if tier == "host":
+            r["block_copies_GBps"] = block_copies(bench)
         print(f"  {tier}: TTFT {r['ttft_s']:.3f} s, load {r['load_s']:.3f} s (copies {r['copy_s']:.3f} s); "
               f"{r['checked_blocks']} loaded blocks read back equal", flush=True)
     stack.close()
@@ -325,6 +350,10 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
     print(format_table(["source", "TTFT s", "x span-cold", "x stock", "load s", "load GB/s", "copy GB/s",
                         "ceiling GB/s", "of ceiling", "segment tok", "computed tok"], rows))
     print("warm-up requests (dropped): " + ", ".join(f"{n} {r['warmup_s']:.3f} s" for n, r in res.items()))
+    if "host" in res and res["host"].get("block_copies_GBps"):
+        h = res["host"]
+        print(f"host loads: copies into the pool at {h['copy_GBps']:.3g} GB/s, from {h['upload_runs']} host runs; "
+              f"pinned link {ceil['host']:.3g} GB/s as one copy, {h['block_copies_GBps']:.3g} GB/s one block per copy")
     b = out["bounds"]
     if b:
         print(f"copy-time lower bound (host bytes / pinned-copy ceiling): {b['copy_s']:.3f} s: at most "
