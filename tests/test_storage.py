@@ -33,21 +33,27 @@ def test_copy_many_equals_copies_from_a_snapshot(seed: int) -> None:
     assert torch.equal(st.k, want_k) and torch.equal(st.v, want_v)
 
 
-def _storage(dtype: torch.dtype, seed: int) -> KVStorage:
+# the upload path differs on CUDA (side stream, pinned sources): compared there too where one exists
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _storage(dtype: torch.dtype, seed: int, device: str = "cpu") -> KVStorage:
     cfg = ModelConfig(arch="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=3, num_heads=2,
                       num_kv_heads=2, head_dim=4)
-    st = KVStorage(cfg, num_blocks=24, block_size=4, dtype=dtype, device=torch.device("cpu"))
+    st = KVStorage(cfg, num_blocks=24, block_size=4, dtype=dtype, device=torch.device(device))
     g = torch.Generator().manual_seed(seed)
     st.k.copy_(torch.randn(st.k.shape, generator=g))
     st.v.copy_(torch.randn(st.v.shape, generator=g))
     return st
 
 
-def _sources(rng: random.Random, n: int, dims: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+def _sources(rng: random.Random, n: int, dims: tuple[int, ...], dtype: torch.dtype, pin: bool = False
+             ) -> list[torch.Tensor]:
     """n block KVs the ways tiers hand them over: consecutive views of one captured batch (in
     order, so they merge into runs, and out of order), separate tensors, non-contiguous views,
-    and another dtype than the pool's."""
+    and another dtype than the pool's; `pin`: the batch in pinned memory, the rest pageable."""
     batch = torch.randn((n, *dims)).to(dtype)
+    batch = batch.pin_memory() if pin else batch
     out = []
     for i in range(n):
         kind = rng.random()
@@ -62,23 +68,26 @@ def _sources(rng: random.Random, n: int, dims: tuple[int, ...], dtype: torch.dty
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("chunk", [1, 3, 64])
-def test_batched_block_upload_equals_plain_per_block_copies(dtype: torch.dtype, seed: int, chunk: int) -> None:
+def test_batched_block_upload_equals_plain_per_block_copies(device: str, dtype: torch.dtype, seed: int,
+                                                            chunk: int) -> None:
     rng = random.Random(seed)
-    st = _storage(dtype, seed)
+    st = _storage(dtype, seed, device)
     dims = (2, *st.k[:, 0].shape)
     n = rng.randint(1, 30)
     ids = [rng.randrange(st.num_blocks) for _ in range(n)]  # unsorted, repeated ids: the last write wins
-    kvs = _sources(rng, n, dims, dtype)
+    kvs = _sources(rng, n, dims, dtype, pin=device == "cuda")
     want_k, want_v = st.k.clone(), st.v.clone()
     for b, kv in zip(ids, kvs):  # the reference: one block at a time, in order
-        want_k[:, b] = kv[0]
-        want_v[:, b] = kv[1]
+        want_k[:, b] = kv[0].to(device)
+        want_v[:, b] = kv[1].to(device)
     up = kv_upload.plan(ids, kvs)
     assert sorted(up.slots.tolist()) == sorted(set(ids))  # unique: a CUDA scatter of repeats is unordered
-    kv_upload.upload(st.k, st.v, up, chunk)
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    kv_upload.upload(st.k, st.v, up, chunk, stream)
     assert torch.equal(st.k, want_k) and torch.equal(st.v, want_v)
 
 
