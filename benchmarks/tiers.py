@@ -311,7 +311,8 @@ def run(args: argparse.Namespace, store_url: str | None, disk_dir: str) -> dict[
             bench.clear_pool()
         r = results[tier] = timed(bench, args.runs, bench.ttft, reload, loads=True)
         loaded = (getattr(stack, tier).stats.hits - hits) // (args.runs + 1) * stack.shape.kv_bytes
-        r.update(loaded_bytes=loaded, load_GBps=loaded / r["load_s"] / 1e9, copy_GBps=loaded / r["copy_s"] / 1e9,
+        r.update(loaded_bytes=loaded, load_GBps=loaded / r["load_s"] / 1e9,
+                 copy_GBps=loaded / r["copy_s"] / 1e9 if r["copy_s"] else 0.0,  # 0: nothing was loaded
                  checked_blocks=bench.check_loaded(blocks))
         ceilings[tier] = ceiling(bench, blocks, tier)
         if tier == "host":
