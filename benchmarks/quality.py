@@ -10,8 +10,10 @@ variable tracking, frequent words), each generated from --seed, nothing download
 family alternate between a RAG layout (instruction | document chunks as plus segments | question)
 and a multi-turn chat layout (system + first exchange | history turns as plus segments | question
 turn). Every case runs under every variant (see variants()): none, full, the sinks-only policy,
-CacheBlend and SparseQ at ~15% with and without sink tokens, SparseQ at ~5% with sinks, and
-segments anchored on the model's sink prefix (BOS + chat template opening) under none and SparseQ.
+CacheBlend and SparseQ at ~15% with and without sink tokens (CacheBlend also at its former check
+layer 1), SparseQ at ~5% with sinks, and segments anchored on the model's sink prefix (BOS + chat
+template opening) under none, CacheBlend and SparseQ; --sweep adds 30% and 50% budgets.
+--device cuda runs one engine on the GPU (Triton backend).
 Greedy, up to --max-tokens tokens, EOS ends a reply.
 
 Cases run in groups of --group. A group's plus segments are pinned (encoded once, standalone)
@@ -74,19 +76,28 @@ class Variant:
     anchor: str = "none"  # the plus segments' anchor: none, or sink (BOS + chat template opening)
 
 
-def variants(quick: bool = False) -> list[Variant]:
+def variants(sweep: bool = False) -> list[Variant]:
     # keyword arguments only: a policy's first dataclass field is `name`. SparseQ's budgets leave
     # room for its overflow blocks (one block each side of the question and the instruction),
     # so that what it recomputes in all stays near the CacheBlend budget beside it.
     out = [Variant("none", "none", None, "none"), Variant("full", "full", None, "full"),
            Variant(f"sinks {SINK}", "sinks", 0.0, Sinks(sink_tokens=SINK)),
            Variant("CacheBlend 15%", "cacheblend", 0.15, CacheBlend(ratio=0.15)),
+           Variant("CacheBlend 15% (check layer 1)", "cacheblend", 0.15, CacheBlend(ratio=0.15, check_layer=1)),
            Variant("SparseQ 15%", "sparseq", 0.15, SparseQ(budget=0.12, sink_tokens=0)),
            Variant(f"CacheBlend 15% +sink{SINK}", "cacheblend", 0.15, CacheBlend(ratio=0.15, sink_tokens=SINK)),
            Variant(f"SparseQ 15% +sink{SINK}", "sparseq", 0.15, SparseQ(budget=0.12, sink_tokens=SINK)),
            Variant(f"SparseQ 5% +sink{SINK}", "sparseq", 0.05, SparseQ(budget=0.02, sink_tokens=SINK)),
            Variant("none, anchor sink", "none", None, "none", "sink"),
-           Variant(f"SparseQ 15% +sink{SINK}, anchor sink", "sparseq", 0.15, SparseQ(budget=0.12, sink_tokens=SINK), "sink")]
+           Variant(f"SparseQ 15% +sink{SINK}, anchor sink", "sparseq", 0.15, SparseQ(budget=0.12, sink_tokens=SINK), "sink"),
+           Variant("CacheBlend 15%, anchor sink", "cacheblend", 0.15, CacheBlend(ratio=0.15), "sink")]
+    if sweep:  # larger budgets: where on the accuracy / recompute curve each selection reaches full
+        for pct in (30, 50):
+            out += [Variant(f"CacheBlend {pct}%", "cacheblend", pct / 100, CacheBlend(ratio=pct / 100)),
+                    Variant(f"SparseQ {pct}% +sink{SINK}", "sparseq", pct / 100,
+                            SparseQ(budget=pct / 100 - 0.03, sink_tokens=SINK)),
+                    Variant(f"SparseQ {pct}% +sink{SINK}, anchor sink", "sparseq", pct / 100,
+                            SparseQ(budget=pct / 100 - 0.03, sink_tokens=SINK), "sink")]
     return out
 
 
@@ -105,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--workers", type=int, default=2, help="worker processes, each with its own engine (default 2)")
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (one worker; the Triton backend)")
+    ap.add_argument("--sweep", action="store_true", help="also CacheBlend and SparseQ at 30%% and 50%% recompute")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="weights and KV (default bfloat16, the serving dtype; ~1.5x faster than float32 here)")
     ap.add_argument("--out", default=None, help="file name under benchmarks/results/ (default quality[_quick].json)")
@@ -128,11 +141,13 @@ def build_llm(args: argparse.Namespace, model: LoadedModel, max_prompt: int, max
     per_block = bytes_per_block(model.config, BLOCK_SIZE, getattr(torch, args.dtype))
     blocks = lambda n: -(-n // BLOCK_SIZE) + args.chunks + 1  # noqa: E731 (partial blocks per segment)
     # A group's pinned documents, then its requests' own blocks: run 2 of a policy holds a whole
-    # group at once, and the previous policy's blocks wait for LRU eviction.
+    # group at once, and the previous policy's blocks wait for LRU eviction. A sink-anchored
+    # variant also keeps its unpinned segment copies cached while the group's selective runs
+    # write every segment again into private blocks.
     pinned = args.group * blocks(max_ctx)
-    working = 3 * args.group * blocks(max_prompt + args.max_tokens) // 2
+    working = 3 * args.group * blocks(max_prompt + args.max_tokens)
     num_blocks = pinned + working + 256
-    llm = LLM(model, device="cpu", dtype=args.dtype, block_size=BLOCK_SIZE, kv_cache_memory=num_blocks * per_block,
+    llm = LLM(model, device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE, kv_cache_memory=num_blocks * per_block,
               max_num_seqs=max(args.group, 1), max_num_batched_tokens=max(4096, max_prompt + 1),
               pin_fraction=min(0.9, (pinned + 64) / num_blocks))
     print(f"KV pool {num_blocks * per_block / 2**30:.2f} GiB ({num_blocks} blocks of {BLOCK_SIZE}, "
@@ -228,8 +243,8 @@ def run_groups(args: argparse.Namespace, which: list[int], worker: int = 0) -> d
     """Runs the groups numbered `which` in this process (one LLM, its own KV pool)."""
     set_threads(args.threads)
     t0, c0 = time.perf_counter(), time.process_time()
-    vs = variants()
-    model = load_model(args.model, getattr(torch, args.dtype), torch.device("cpu"))
+    vs = variants(args.sweep)
+    model = load_model(args.model, getattr(torch, args.dtype), torch.device(args.device))
     cases = make_cases(args, model.tokenizer)
     groups = [cases[i:i + args.group] for i in range(0, len(cases), args.group)]
     llm = build_llm(args, model, max(c.prompt_tokens for c in cases), max(c.context_tokens for c in cases))
@@ -252,11 +267,11 @@ def run_groups(args: argparse.Namespace, which: list[int], worker: int = 0) -> d
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    vs = variants()
+    vs = variants(args.sweep)
     cases = make_cases(args, load_model(args.model, torch.float32, torch.device("cpu")).tokenizer)
     max_prompt = max(c.prompt_tokens for c in cases)
     n_groups = -(-len(cases) // args.group)
-    workers = max(1, min(args.workers, n_groups))
+    workers = 1 if args.device != "cpu" else max(1, min(args.workers, n_groups))
     print(f"{len(cases)} cases ({args.cases} per family x {len(args.families)}), context {args.ctx} tokens in "
           f"{args.chunks} plus segments, prompts {min(c.prompt_tokens for c in cases)}-{max_prompt} tokens; "
           f"{len(vs)} policies; {n_groups} groups over {workers} worker process(es) x {args.threads} torch thread(s)",
@@ -296,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     png = plot(rows, title, args.plot)
     config = {k: v for k, v in vars(args).items()}
     path = write_json(args.out, {
-        "benchmark": "quality", "model": f"SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to {args.dtype}, CPU)",
+        "benchmark": "quality", "model": f"SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to {args.dtype}, {args.device})",
         "config": config, "num_layers": num_layers, "wall_s": wall, "cpu_s": cpu, "model_load_s": t_load,
         "summary": rows, "findings": findings(rows), "markdown_table": markdown(rows, args.families),
         "checks": {"anomalies": stats["anomalies"], "decode_runs_not_all_hit": len(stats["rerun_computed"]),

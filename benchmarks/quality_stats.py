@@ -171,7 +171,7 @@ def plot(rows: list[dict], title: str, name: str) -> str:
                 ax.plot([x], [r[key]], **kw)
         ax.axvline(0.15, color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("symlog", linthresh=0.05)
-        ax.set_xticks([0, 0.05, 0.1, 0.15, 0.3, 1.0], ["0", "5%", "10%", "15%", "30%", "100%"])
+        ax.set_xticks([0, 0.05, 0.1, 0.15, 0.3, 0.5, 1.0], ["0", "5%", "10%", "15%", "30%", "50%", "100%"])
         ax.set_xlabel("reused tokens recomputed (sink tokens counted)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

@@ -93,6 +93,7 @@ class Bench:
         offload = {"cpu_bytes": (self.doc_blocks + 64) * per_block, "store_url": store_url,
                    "disk_path": disk_dir if "disk" in args.tiers else None,
                    "disk_bytes": 2 * (self.doc_blocks + 64) * per_block, "store_timeout_ms": args.store_timeout_ms}
+        offload["async_loads"] = False  # loads inside admission, where timed_fill times them
         extra: dict[str, Any] = {}
         if device == "cuda":
             from spanserve.attention.triton import TritonBackend

@@ -40,9 +40,9 @@ def _layout(rng: random.Random) -> list[Segment]:
     return segs
 
 
-def _offload(tmp_path, redis_server) -> dict:
+def _offload(tmp_path, redis_server, async_loads: bool) -> dict:
     return {"cpu_bytes": "1MiB", "disk_path": str(tmp_path / "kv"), "disk_bytes": "8MiB",
-            "store_url": redis_server.url}
+            "store_url": redis_server.url, "async_loads": async_loads}
 
 
 def _cached_blocks(llm: LLM) -> list[BlockKV]:
@@ -76,13 +76,14 @@ def _scatter(llm: LLM, blocks: list[BlockKV], where: dict[int, str], redis_serve
     e.pool.release_many(pool_blocks)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_scattered_blocks_equal_the_oracle(loaded, tmp_path, redis_server, seed):
+# loads beside other requests (the default) and inside admission
+@pytest.mark.parametrize("seed,async_loads", [(s, True) for s in range(6)] + [(s, False) for s in range(2)])
+def test_scattered_blocks_equal_the_oracle(loaded, tmp_path, redis_server, seed, async_loads):
     rng = random.Random(seed)
     layout = _layout(rng)
     plain = LLM(loaded, block_size=BS, num_blocks=128).generate(layout, GREEDY)[0]
     ref = Dense(loaded.config, loaded.weights).span_logits(resolve(layout, None, "none"))
-    llm = LLM(loaded, block_size=BS, num_blocks=128, kv_offload=_offload(tmp_path, redis_server))
+    llm = LLM(loaded, block_size=BS, num_blocks=128, kv_offload=_offload(tmp_path, redis_server, async_loads))
     seen = capture_logits(llm.engine)
     cold = llm.generate(layout, SamplingParams(max_tokens=1, temperature=0))[0]
     assert cold.token_ids == plain.token_ids[:1]

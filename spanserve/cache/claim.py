@@ -13,7 +13,7 @@ import numpy as np
 from spanserve.cache.table import Entry, Table, delta_array, slot_array, tail_slots
 
 if TYPE_CHECKING:
-    from spanserve.cache.manager import Unit
+    from spanserve.cache.units import Unit
 
 
 @dataclass(frozen=True)

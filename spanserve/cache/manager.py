@@ -1,75 +1,29 @@
-"""Cache manager: turns a request's layout into units (chains of blocks), looks each unit up
-(prefix, perforated, partial-block and segment hits), allocates what misses, builds the tasks
-that compute the holes, publishes computed blocks and releases them. It speaks plain data
-(`cache/claim.py`): an Admission in, a Holding out."""
+"""Cache manager: turns a request's layout into units (chains of blocks, `cache/units.py`), looks
+each unit up (`cache/planning.py`: prefix, perforated, partial-block and segment hits; blocks below
+the pool through `cache/tier_loads.py`), allocates what misses, builds the tasks that compute the
+holes, publishes computed blocks and releases them. It speaks plain data (`cache/claim.py`): an
+Admission in, a Holding out."""
 from __future__ import annotations
 
 import itertools
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
 from spanserve.cache import hashing
 from spanserve.cache.block_pool import Block, BlockPool
 from spanserve.cache.claim import Admission, Holding, Task
+from spanserve.cache.planning import Plan, all_hit, fresh_plan, place_hits, plan_unit, reuse_kind, touched
 from spanserve.cache.storage import KVStorage
-from spanserve.cache.table import Table, build, grown, truncate
+from spanserve.cache.table import Table, grown, truncate
+from spanserve.cache.tier_loads import load_missing, tier_reuse
+from spanserve.cache.tiers.loader import LoadJob
+from spanserve.cache.units import Unit, build_units, follow, table as unit_table
 from spanserve.reuse.recompute import RecomputeSpec
 
-
-TIER_NAMES = ("host", "disk", "store")  # the tiers below the pool, as reuse counts name them
-
-
-class _Plan(NamedTuple):
-    """How a unit gets its blocks: block i shares the cached block `shared[i]`, or (None) is a
-    fresh one whose first `copy_n` slots are copied from `src`, `copies[i] = (src, copy_n)`
-    (src: a cached block holding a prefix of its tokens, or None). Columns rather than one
-    object per block: a warm layout is thousands of shared blocks and no copies."""
-
-    shared: list[Block | None]
-    copies: dict[int, tuple[Block | None, int]]
-
-
-@dataclass
-class Unit:
-    """A token run of the main table cached as one chain. Plus units are standalone segments
-    stored at local positions from `local_start`; the others are the request's own runs, stored at
-    their logical positions. The final unit is the one generation extends."""
-
-    seed: int
-    start: int
-    local_start: int
-    plus: bool
-    final: bool
-    tokens: Sequence[int]
-    blocks: list[Block] = field(default_factory=list)
-    n_valid: list[int] = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)
-    fresh: list[int] = field(default_factory=list)  # block indices this request publishes
-    todo: list[int] = field(default_factory=list)  # unit-relative positions to compute
-    task: Task | None = None  # encode task of a plus unit with holes
-    source: "Unit | None" = None  # under a selective policy: the shared segment this run recomputes
-    packed: bytes | None = field(default=None, repr=False)  # the tokens as int32 LE, if the piece had them
-    tail_key: int | None = field(default=None, repr=False)  # key of a partial last block (hashed with the chain)
-    owns_tokens: bool = field(default=False, repr=False)  # tokens is this unit's own list (final units)
-
-    @property
-    def delta(self) -> int:
-        return self.start - self.local_start
-
-
-def _follow(u: Unit, row: list[int]) -> None:
-    """Keep a final unit's tokens equal to row[u.start:] as generation appends to the row: copied
-    once into a list the unit owns, then extended by the new tokens only, since a copy per decode
-    step would cost O(context) per request."""
-    have = u.start + len(u.tokens)
-    if not u.owns_tokens or have > len(row):
-        u.tokens, u.owns_tokens = row[u.start:], True
-    elif have < len(row):
-        u.tokens.extend(row[have:])  # type: ignore[attr-defined]
+# the names tests and benchmarks reach for
+_Plan, _all_hit, _follow = Plan, all_hit, follow
 
 
 def computed_upto(tasks: list[Task]) -> int:
@@ -93,110 +47,61 @@ class CacheManager:
         # cache.tiers.stack.TierStack or None: blocks missing here are looked up below the pool
         self.tiers = tiers
 
-    # ---- lookup ---------------------------------------------------------------------------
-    def _probe_partial(self, parent: int, toks: Sequence[int], longest: int) -> tuple[Block | None, int]:
-        """The cached block holding the longest prefix (<= longest tokens) of `toks`: a unit that
-        ended inside this block (an earlier turn, a finished generation) left it behind."""
-        return self.pool.longest_partial(parent, toks, longest)
+    # ---- loads from the tiers below the pool (asynchronous mode) -----------------------------
+    def drop_loads(self, job: LoadJob) -> None:
+        """The request waiting on `job` went away: nothing it loads is installed."""
+        if self.tiers is not None:
+            self.tiers.drop(job)
 
+    def wait_loads(self, jobs: list[LoadJob], timeout: float) -> bool:
+        """Sleep until one of `jobs` is done (True) or `timeout` seconds pass."""
+        return self.tiers.wait(jobs, timeout) if self.tiers is not None and jobs else False
+
+    # ---- lookup ---------------------------------------------------------------------------
     def _plan_unit(self, seed: int, tokens: Sequence[int], keys: list[int], extended: bool,
-                   packed: bytes | None = None, tail_key: int | None = None) -> _Plan:
-        """Never stops at the first miss: a chained key after a gap still hits (perforated).
-        An `extended` unit (generation continues it; its final token's logits are needed) keeps
-        its last block private: copied from a hit, never shared. `tail_key`: the partial last
-        block's key if the caller has it. `copies` is filled in block order (admit relies on it)."""
-        bs = self.block_size
-        n_blocks = -(-len(tokens) // bs)
-        hits = self.pool.lookup_chain(keys, tokens, bs, packed)  # the full blocks, in one pass
-        shared: list[Block | None] = hits + [None] * (n_blocks - len(hits))
-        if extended:
-            shared[-1] = None
-        copies: dict[int, tuple[Block | None, int]] = {}
-        # every full block hit (blocks are truthy): only a partial tail can be left to look at
-        first = len(hits) if all(hits) else 0
-        if extended:
-            first = min(first, n_blocks - 1)
-        for i in range(first, n_blocks):
-            if shared[i] is not None:
-                continue
-            toks = tokens[i * bs:(i + 1) * bs]
-            parent = keys[i - 1] if i else seed
-            last = i == n_blocks - 1
-            if len(toks) == bs:
-                key = keys[i]
-            else:
-                key = tail_key if tail_key is not None else hashing.block_key(parent, toks)
-            hit = self.pool.lookup(key, toks)
-            if hit is not None and not (extended and last):
-                shared[i] = hit
-                continue
-            keep = len(toks) - 1 if (extended and last) else len(toks)
-            if hit is not None:
-                copies[i] = (hit, keep)
-                continue
-            copies[i] = self._probe_partial(parent, toks, min(keep, len(toks) - 1))
-        return _Plan(shared, copies)
+                   packed: bytes | None = None, tail_key: int | None = None) -> Plan:
+        return plan_unit(self.pool, self.block_size, seed, tokens, keys, extended, packed, tail_key)
 
     # ---- admission ------------------------------------------------------------------------
     def _units(self, adm: Admission) -> list[Unit]:
-        ns, pieces = adm.namespace, adm.pieces
-        plain = hashing.seed(ns)
-        units: list[Unit] = []
-        link = plain
-        prefix = pieces[0].tokens if pieces[0].kind == "cross" else ()
-        selective = adm.policy is not None and adm.policy.selective
-        policy_key = adm.policy.key if adm.policy is not None else "none"
-        bs = self.block_size
-        for i, p in enumerate(pieces):
-            final = i == len(pieces) - 1 and not adm.encode_only
-            toks = p.tokens
-            seg = None
-            if p.kind == "plus":
-                # anchor none: exactly a plain causal encoding, so finished generations hit it
-                seed = plain if p.anchor_len == 0 else hashing.seed(ns, "anchor", prefix[: p.anchor_len])
-                seg = Unit(seed, p.start, p.anchor_len, True, final, toks, packed=p.packed)
-                seg.keys, digest, seg.tail_key = hashing.unit_keys(seed, toks, bs, p.packed)
-            if seg is not None and not selective:
-                u = seg
-            else:  # the request's own run; a recomputed segment's KV is request-specific too
-                u = Unit(link, p.start, p.start, False, final, toks, source=seg, packed=p.packed)
-                u.keys, digest, u.tail_key = hashing.unit_keys(link, toks, bs, p.packed)
-            # whatever follows depends on this unit's content and place: chain it into the link
-            link = hashing.seed(ns, "span", policy_key, link, digest, p.start, p.anchor_len)
-            units.append(u)
-        return units
+        return build_units(adm, self.block_size)
 
-    def admit(self, adm: Admission) -> Holding | None:
+    def admit(self, adm: Admission, loads: LoadJob | None = None) -> Holding | LoadJob | None:
         """Give a waiting request its blocks and tasks. None (and nothing changed) when the pool
-        cannot hold it now."""
+        cannot hold it now. With asynchronous tier loads, a request whose missing blocks are
+        being asked of the tiers gets that LoadJob back instead: it waits, and once the job is
+        done it is admitted again with it (`loads`), finding what was loaded as pool hits."""
         units = self._units(adm)
         loaded = None
-        if self.tiers is not None:  # what tiers hold becomes ordinary pool hits before planning
-            loaded = self.tiers.fill(self.pool, [(u.seed, u.keys, u.tokens, u.tail_key, u.final)
-                                                 for v in units for u in (v, v.source) if u])
+        # what the tiers hold becomes ordinary pool hits before planning (unless every position
+        # is computed anyway)
+        if self.tiers is not None:
+            got = Counter() if adm.compute_all else load_missing(self.tiers, self.pool, units, loads)
+            if isinstance(got, LoadJob):
+                return got
+            loaded = got
         plans = [self._plan_unit(u.seed, u.tokens, u.keys, u.final, u.packed, u.tail_key) for u in units]
         sources: list[Unit] = []
         if adm.compute_all:
             # every prompt position must be computed: a cached one has KV but no logits to score
-            plans = [_Plan([None] * len(p.shared), dict.fromkeys(range(len(p.shared)), (None, 0))) for p in plans]
-        if any(u.source is not None for u in units) and not _all_hit(units, plans, self.block_size):
+            plans = [fresh_plan(len(p.shared)) for p in plans]
+        if any(u.source is not None for u in units) and not all_hit(units, plans, self.block_size):
             # The policy recomputes from the shared copies: every run from the first recomputed
             # segment on is produced by one selective forward, into fresh private blocks.
             first = next(i for i, u in enumerate(units) if u.source is not None)
             for i in range(first, len(units)):
-                n = len(plans[i].shared)
-                plans[i] = _Plan([None] * n, dict.fromkeys(range(n), (None, 0)))
+                plans[i] = fresh_plan(len(plans[i].shared))
             sources = [u.source for u in units if u.source is not None]
         units_all = units + sources
         plans += [self._plan_unit(u.seed, u.tokens, u.keys, False, u.packed, u.tail_key) for u in sources]
-        touched = _touched(plans)
-        self.pool.acquire_many(touched)  # hold hits and copy sources so allocation cannot evict them
+        held = touched(plans)
+        self.pool.acquire_many(held)  # hold hits and copy sources so allocation cannot evict them
         eager = [i for i, (u, plan) in enumerate(zip(units, plans)) if self.reposition == "eager"
                  and u.plus and u.delta and not plan.copies]
         n_fresh = sum(len(plan.copies) for plan in plans)
         n_fresh += sum(len(plans[i].shared) for i in eager)
         if self.pool.num_free < n_fresh:
-            self.pool.release_many(touched)
+            self.pool.release_many(held)
             return None
         req = Holding()
         reuse = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0}
@@ -206,7 +111,7 @@ class CacheManager:
         for u, plan in zip(units_all, plans):
             done = 0  # blocks of u placed so far; the hits between copies go in bulk
             for i, (src, copy_n) in plan.copies.items():
-                reuse[_kind(u, contiguous)] += _place_hits(req.held, u, plan.shared, done, i, bs)
+                reuse[reuse_kind(u, contiguous)] += place_hits(req.held, u, plan.shared, done, i, bs)
                 n_tok = min(bs, len(u.tokens) - i * bs)
                 b = self.pool.allocate()
                 if src is not None:
@@ -217,10 +122,10 @@ class CacheManager:
                 req.held.append(b)
                 u.blocks.append(b)
                 u.n_valid.append(n_tok)
-                reuse[_kind(u, contiguous)] += copy_n
+                reuse[reuse_kind(u, contiguous)] += copy_n
                 contiguous = contiguous and copy_n == n_tok
                 done = i + 1
-            reuse[_kind(u, contiguous)] += _place_hits(req.held, u, plan.shared, done, len(plan.shared), bs)
+            reuse[reuse_kind(u, contiguous)] += place_hits(req.held, u, plan.shared, done, len(plan.shared), bs)
             if u.source is None or not sources:  # a recomputed run is counted by its source
                 reuse["computed"] += len(u.todo)
         # One batch (a judge copies the tail block of each of its candidates). Safe although the
@@ -242,7 +147,7 @@ class CacheManager:
             req.held = kept + [b for i in eager for b in units[i].blocks]
         req.reuse = reuse
         if loaded is not None:  # of the hits, tokens loaded from each tier below the pool
-            req.reuse.update({t: loaded.get(t, 0) for t in TIER_NAMES})
+            req.reuse.update(tier_reuse(loaded))
         req.units = units
         req.sources = sources
         req.tasks = self._tasks(adm, units, sources)
@@ -284,7 +189,7 @@ class CacheManager:
                 if a not in heads:
                     heads[a] = truncate(anchor_entries, a)
                 at = starts.get(id(u))
-                seg = _table([u], local=True) if at is None else entries[at:at + len(u.blocks)]
+                seg = unit_table([u], local=True) if at is None else entries[at:at + len(u.blocks)]
                 table = np.concatenate([heads[a], seg])
                 table[len(heads[a]):, 1] = 0  # its own encoding reads it at local positions
                 u.task = Task(tokens[:a] + list(u.tokens), table, [a + p for p in u.todo], bs)
@@ -302,7 +207,7 @@ class CacheManager:
 
     @staticmethod
     def entries(units: list[Unit]) -> Table:
-        return _table(units)
+        return unit_table(units)
 
     def ensure_capacity(self, req: Holding) -> bool:
         """Room in the final unit for every token of the main task (decode growth)."""
@@ -346,7 +251,7 @@ class CacheManager:
         through: list[Block] = []  # standalone-segment blocks published now, for the remote store
         for u in req.units + req.sources:
             if u.final:
-                _follow(u, req.main.tokens)
+                follow(u, req.main.tokens)
             if u.plus:
                 done_upto = len(u.tokens) if (u.task is None or not u.task.todo) else 0
             else:
@@ -417,49 +322,3 @@ class CacheManager:
         req.tasks = []
         req.units = []
         req.sources = []
-
-
-def _touched(plans: list[_Plan]) -> list[Block]:
-    """The cached blocks a request reads: each shared block, or else its copy source, in order."""
-    out: list[Block] = []
-    for plan in plans:
-        done = 0
-        for i, (src, _) in plan.copies.items():  # block order; the hits between go in bulk
-            out += plan.shared[done:i]  # type: ignore[arg-type]
-            if src is not None:
-                out.append(src)
-            done = i + 1
-        out += plan.shared[done:]  # type: ignore[arg-type]
-    return out
-
-
-def _kind(u: Unit, contiguous: bool) -> str:
-    return "segment" if u.plus else ("prefix" if contiguous else "perforated")
-
-
-def _place_hits(held: list[Block], u: Unit, shared: list, lo: int, hi: int, bs: int) -> int:
-    """Give u its shared blocks lo..hi-1 (whole hits: every slot valid); returns their tokens."""
-    if hi <= lo:
-        return 0
-    run = shared[lo:hi]
-    held += run
-    u.blocks += run
-    n_tok = min(hi * bs, len(u.tokens)) - lo * bs
-    u.n_valid += [bs] * (hi - lo - 1)
-    u.n_valid.append(n_tok - (hi - lo - 1) * bs)
-    return n_tok
-
-
-def _table(units: list[Unit], local: bool = False) -> Table:
-    """`local`: delta 0, how a plus unit's own encoding task reads it."""
-    return build([u.blocks for u in units], [0 if local else u.delta for u in units], [u.n_valid for u in units])
-
-
-def _all_hit(units: list[Unit], plans: list[_Plan], bs: int) -> bool:
-    """The whole request chain is cached: only the final token is left to compute."""
-    for u, plan in zip(units, plans):
-        last = len(plan.shared) - 1
-        for i, (_, copy_n) in plan.copies.items():
-            if not (u.final and i == last and copy_n == min(bs, len(u.tokens) - i * bs) - 1):
-                return False
-    return True

@@ -19,6 +19,8 @@ from typing import Any, Iterator
 import torch
 import torch.multiprocessing as mp
 
+from spanserve.distributed.block_transfer import TPStorage
+from spanserve.distributed.fingerprint import whole_model_fingerprint
 from spanserve.distributed.group import TPGroup, free_port
 from spanserve.distributed.shard import check_divisible
 from spanserve.distributed.step import StepMessage, pack
@@ -56,7 +58,7 @@ class TPDriver:
         if on_failure not in ("raise", "exit"):
             raise ValueError(f"on_failure must be 'raise' or 'exit', got {on_failure!r}")
         check_devices(world, device)
-        source = source_of(model)
+        source = self.source = source_of(model)
         self.config, self.tokenizer = source.describe()
         check_divisible(self.config, world)
         self.on_failure = on_failure
@@ -84,11 +86,16 @@ class TPDriver:
                  self.config.num_kv_heads)
 
     # ---- engine parts ----------------------------------------------------------------------
-    def storage(self, num_blocks: int, block_size: int, backend: Any, cuda_graphs: Any) -> RecordingStorage:
+    def storage(self, num_blocks: int, block_size: int, backend: Any, cuda_graphs: Any) -> TPStorage:
         """This rank's KV storage; the workers make theirs (same blocks, their heads)."""
         with self.collective():
             self.group.send(EngineInit(num_blocks, block_size, backend, cuda_graphs))
-        return RecordingStorage(self.model.config, num_blocks, block_size, self.model.dtype, self.model.device)
+        return TPStorage(self.model.config, num_blocks, block_size, self.model.dtype, self.model.device,
+                         driver=self, whole=self.config)
+
+    def fingerprint(self, block_size: int) -> bytes:
+        """The tiers' model identity, equal to what the same model gives at TP=1."""
+        return whole_model_fingerprint(self.source, self.config, self.model.dtype, block_size, self.group.device)
 
     def runner(self, storage: RecordingStorage, backend: Any, cuda_graphs: Any) -> "TPRunner":
         return TPRunner(self.model, storage, backend, cuda_graphs, driver=self)

@@ -62,6 +62,14 @@ class ShardPlan:
         return max(1, self.config.num_kv_heads // self.world)
 
     @property
+    def kv_head0(self) -> int:
+        """The first of the whole model's KV heads this rank holds (it holds `kv_heads` of them)."""
+        c, w = self.config, self.world
+        if c.num_kv_heads >= w:
+            return self.rank * self.kv_heads
+        return self.rank // (w // c.num_kv_heads)  # the KV head this rank's query heads read
+
+    @property
     def vocab_shard(self) -> int:
         return -(-self.config.vocab_size // self.world)
 
@@ -86,10 +94,6 @@ class ShardPlan:
             return dim, min(r * n, size), min((r + 1) * n, size)
         if ".k_proj" in name or ".v_proj" in name:
             per = size // c.num_kv_heads  # head_dim
-            if c.num_kv_heads >= w:
-                n = c.num_kv_heads // w
-                return dim, r * n * per, (r + 1) * n * per
-            head = r // (w // c.num_kv_heads)  # the KV head this rank's query heads read
-            return dim, head * per, (head + 1) * per
+            return dim, self.kv_head0 * per, (self.kv_head0 + self.kv_heads) * per
         n = size // w
         return dim, r * n, (r + 1) * n

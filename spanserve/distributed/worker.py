@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from spanserve.cache.storage import KVStorage
+from spanserve.distributed.block_transfer import BlockTransfer, serve_transfer
 from spanserve.distributed.group import TPGroup, quiet_threads
 from spanserve.distributed.shard import ShardPlan
 from spanserve.distributed.step import StepMessage, unpack
@@ -85,6 +86,9 @@ def serve(group: TPGroup, runner: ModelRunner, storage: KVStorage) -> None:
     while True:
         msg: StepMessage = group.recv()
         replay(storage, msg.ops, runner.model.rotary)
+        if isinstance(msg, BlockTransfer):  # a tier's capture or load, between steps
+            serve_transfer(storage, msg)
+            continue
         if msg.step is None:
             return
         step = unpack(msg.step)

@@ -87,14 +87,13 @@ class LLMEngine:
         self.tp = None
         offload = OffloadConfig.of(kv_offload)
         fingerprint = None
-        if tensor_parallel_size > 1 and offload is not None and offload.enabled:
-            raise ValueError("KV tiers (kv_offload) are not supported with tensor_parallel_size > 1 yet; "
-                             "drop one of the two")
         if tensor_parallel_size > 1:
             from spanserve.distributed.driver import TPDriver
 
             self.tp = TPDriver(model, tensor_parallel_size, self.device, self.dtype, tp_on_failure, tp_float32_reduce)
             self.config, self.tokenizer, self.model = self.tp.config, self.tp.tokenizer, self.tp.model
+            if offload is not None and offload.enabled:  # tiers keep whole blocks: TP=1's identity
+                fingerprint = self.tp.fingerprint(block_size)
         else:
             if isinstance(model, RandomWeights):
                 loaded = model.whole(self.dtype, self.device)
@@ -154,7 +153,7 @@ class LLMEngine:
         what the pool holds, for the next start). The engine is not used afterwards."""
         if self.tiers is not None:
             tiers, self.tiers = self.tiers, None
-            tiers.close(self.pool)
+            tiers.close(self.pool if self.tp is None or self.tp.dead is None else None)  # dead: KV unreadable
         if self.tp is not None:
             self.tp.close()
 
@@ -254,12 +253,12 @@ class LLMEngine:
                 for r in done_pins:
                     self._pin(r)
                 return [self._finish_output(r) for r in done_pins]
-            if self.scheduler.waiting and not self.scheduler.running:
-                # Nothing runs and the head of the queue cannot be admitted: fail it rather than hang.
-                req = self.scheduler.waiting[0]
+            req = self.scheduler.stuck()
+            if req is not None:  # nothing runs and it cannot be admitted: fail it rather than hang
                 req.finish_reason = "length"
                 self.scheduler.finish(req)
                 return [self._finish_output(req)]
+            self.scheduler.wait_for_loads()  # only requests waiting on tier loads: sleep, not spin
             return []
         if any(wants_prompt_logprobs(c) for c in sched.chunks):
             logits, rows, hidden = self.runner.run_keep_hidden(sched.chunks)

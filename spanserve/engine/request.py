@@ -10,7 +10,7 @@ import torch
 
 from spanserve.cache.block_pool import Block
 from spanserve.cache.claim import Admission, Holding, Piece, Task
-from spanserve.cache.manager import Unit
+from spanserve.cache.units import Unit
 from spanserve.engine.detokenize import IncrementalText
 from spanserve.engine.sampling import SamplingParams, TokenLogprobs
 

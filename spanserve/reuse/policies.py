@@ -40,17 +40,22 @@ FULL = Policy("full")
 @dataclass(frozen=True)
 class CacheBlend(Policy):
     """Full recompute through `check_layer`, then the top `ratio` of reused tokens by KV
-    deviation (new vs cached, after aligning the cached key's rotation) (CacheBlend, LMCache)."""
+    deviation (new vs cached, after aligning the cached key's rotation) (CacheBlend, LMCache).
+    The check layer defaults to ~15% of the layers (as SparseQ's boundary), not layer 1: at
+    layer 1 a chat history's template tokens (`<|im_start|>assistant`, a stock reply) deviate
+    least, because their early KV hardly depends on context, so they stay stale while their
+    neighbours are recomputed, and the question then copies the stale turn ("Got it.") even at
+    95% recompute (docs/quality_notes.md, section 5)."""
 
     ratio: float = 0.15
-    check_layer: int = 1
+    check_layer: int | None = None
     name: str = "cacheblend"
 
     def __post_init__(self) -> None:
         _check_sinks(self.sink_tokens)
         if not 0 <= self.ratio <= 1:
             raise ValueError(f"CacheBlend ratio must be in [0, 1], got {self.ratio}")
-        if self.check_layer < 1:
+        if self.check_layer is not None and self.check_layer < 1:
             # Layer 0's K/V depend only on each token's embedding, so new and cached KV are equal
             # there and the deviation ranks nothing but rounding noise.
             raise ValueError(f"CacheBlend check_layer must be >= 1 (layer 0 KV does not depend on "
@@ -61,7 +66,8 @@ class CacheBlend(Policy):
         return True
 
     def decision_layer(self, num_layers: int) -> int:
-        return min(self.check_layer, num_layers - 1)
+        c = max(1, round(0.15 * num_layers)) if self.check_layer is None else self.check_layer
+        return min(c, num_layers - 1)
 
     def select(self, deviation: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """deviation [n_reused]; sinks [n_reused] bool (kept first) -> indices of the kept reused

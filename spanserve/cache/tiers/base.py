@@ -54,6 +54,9 @@ class Tier(ABC):
     everything that shapes a block's KV; the model's identity is in each tier's key space)."""
 
     name: str
+    # contains_many is a network round trip: never asked on the engine thread (a local tier's
+    # index is in memory, so the engine asks it whether a load is worth starting at all)
+    remote: bool = False
 
     def __init__(self) -> None:
         self.stats = TierStats()

@@ -21,6 +21,9 @@ class OffloadConfig:
     store_url: str | None = None  # remote tier, redis://host:port/db (None: none)
     store_timeout_ms: float = 50.0  # per batch round trip; a slower store is a miss
     writeback_blocks: int = 1024  # queued blocks before new write-backs are dropped
+    # loads on a background thread while other requests run (the request waits for them);
+    # False: inside admission, on the engine thread
+    async_loads: bool = True
 
     def __post_init__(self) -> None:
         for name in ("cpu_bytes", "disk_bytes"):
@@ -28,6 +31,8 @@ class OffloadConfig:
                 raise ValueError(f"kv_offload {name} must be a size >= 0, got {getattr(self, name)!r}")
         if self.store_timeout_ms <= 0:
             raise ValueError(f"kv_offload store_timeout_ms must be > 0, got {self.store_timeout_ms}")
+        if not isinstance(self.async_loads, bool):
+            raise ValueError(f"kv_offload async_loads must be true or false, got {self.async_loads!r}")
         if self.writeback_blocks < 1:
             raise ValueError(f"kv_offload writeback_blocks must be >= 1, got {self.writeback_blocks}")
 

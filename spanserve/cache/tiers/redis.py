@@ -20,6 +20,7 @@ _BATCH = 64  # keys per round trip: bounds the bytes one reply carries
 
 class RedisTier(Tier):
     name = "store"
+    remote = True
 
     def __init__(self, url: str, shape: BlockShape, fingerprint: bytes, timeout_ms: float = 50.0,
                  retry_s: float = 1.0):

@@ -3,9 +3,11 @@ spilling to disk), write-through of standalone segments to the remote store, and
 lookup that loads a layout's missing blocks into free pool blocks.
 
 Engine thread: `on_evict` (the pool calls it before a cached block's KV is overwritten),
-`write_through`, `fill`. Writes are captured (one device-to-host copy) and handed to a
-background thread through a bounded queue: when the queue is full they are dropped and
-counted, so the step loop never waits for a tier to store anything."""
+`write_through`, `lookup`/`start`, `install`, `fill`. Writes are captured (one device-to-host
+copy) and handed to a background thread through a bounded queue: when the queue is full they
+are dropped and counted, so the step loop never waits for a tier to store anything. Loads run
+on a second background thread (`loader.py`) between `start` and `install`; `fill` does all
+three steps at once, on the engine thread."""
 from __future__ import annotations
 
 import logging
@@ -15,6 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from spanserve.cache.block_pool import Block, BlockPool
@@ -23,6 +26,7 @@ from spanserve.cache.tiers.base import Tier
 from spanserve.cache.tiers.config import OffloadConfig
 from spanserve.cache.tiers.disk import DiskTier
 from spanserve.cache.tiers.host import HostTier
+from spanserve.cache.tiers.loader import Chain, LoadJob, Loader, Want, load_nearest
 from spanserve.cache.tiers.payload import BlockKV, BlockShape
 
 log = logging.getLogger("spanserve.tiers")
@@ -59,6 +63,8 @@ class TierStack:
         self.served: Counter[str] = Counter()  # tokens loaded into the pool, per tier
         self._thread = threading.Thread(target=self._run, name="spanserve-kv-writeback", daemon=True)
         self._thread.start()
+        self.asynchronous = config.async_loads
+        self.loader = Loader(self.tiers)  # loads, off the engine thread (async_loads)
 
     # ---- writes (engine thread) -----------------------------------------------------------
     def on_evict(self, block: Block) -> None:
@@ -123,17 +129,74 @@ class TierStack:
         self._jobs.put(_Job("local", [], done=done))
         return done.wait(timeout)
 
-    # ---- lookup and load (engine thread) ----------------------------------------------------
-    def fill(self, pool: BlockPool, chains: Sequence[tuple[int, Sequence[int], Sequence[int], int | None, bool]]
-             ) -> Counter[str]:
-        """Every block of `chains` ((seed, full-block keys, tokens, partial tail's key, extended)
-        per unit) missing from the pool is asked of the tiers in one batch each, nearest first;
-        what they hold is loaded into free pool blocks and published there, so admission finds it
-        as ordinary hits and computes only the holes. Returns the tokens each tier served (an
-        `extended` unit's last block serves all but its last token: generation recomputes it)."""
+    # ---- lookup and load ---------------------------------------------------------------------
+    def lookup(self, pool: BlockPool, chains: Sequence[Chain]) -> LoadJob | None:
+        """Engine thread. Every block of `chains` ((seed, full-block keys, tokens, partial tail's
+        key, extended) per unit) missing from the pool, as a job for the tiers; None when nothing
+        is missing or the pool has no room for a single load."""
+        want, serves, held = self._missing(pool, chains)
+        if want and not any(t.remote for t in self.tiers):
+            # local tiers only: their indexes are in memory, so a cold layout starts no load
+            # (and does not wait for one); only blocks some tier holds are asked for
+            keys = list(want)
+            somewhere = np.zeros(len(keys), bool)
+            for t in self.tiers:
+                somewhere |= t.contains_many(keys)
+            want = {k: want[k] for k, there in zip(keys, somewhere) if there}
+        if not want:
+            return None
+        pool.acquire_many(held)  # this layout's own hits are not room for loads
+        room = pool.num_free
+        pool.release_many(held)
+        return LoadJob(list(chains), want, serves, room) if room else None
+
+    def start(self, pool: BlockPool, chains: Sequence[Chain]) -> LoadJob | None:
+        """Engine thread: look the layout up and hand its missing blocks to the loader.
+        The job is `done` once the tiers answered; `install` it then."""
+        job = self.lookup(pool, chains)
+        if job is not None:
+            self.loader.submit(job)
+        return job
+
+    def install(self, pool: BlockPool, job: LoadJob) -> Counter[str]:
+        """Engine thread, once `job.done`: what the tiers found goes into free pool blocks and is
+        published there, so admission finds it as ordinary hits and computes only the holes.
+        A block that reached the pool meanwhile is not loaded again; loads that no longer fit
+        in the free blocks are left out. Returns the tokens each tier served (an `extended`
+        unit's last block serves all but its last token: generation recomputes it)."""
+        assert job.done, "install a load job once the loader is done with it"
+        if not job.found or job.dropped:
+            return Counter()
+        want, _, held = self._missing(pool, job.chains)
+        return self._install(pool, [f for f in job.found if f[1].key in want], job.serves, held)
+
+    def fill(self, pool: BlockPool, chains: Sequence[Chain]) -> Counter[str]:
+        """Engine thread, synchronously: look up, load and install in one go."""
+        want, serves, held = self._missing(pool, chains)
+        if not want:
+            return Counter()
+        pool.acquire_many(held)  # this layout's own hits are not room for loads
+        try:
+            found = load_nearest(self.tiers, want, pool.num_free)
+        finally:
+            pool.release_many(held)
+        return self._install(pool, found, serves, held)
+
+    def drop(self, job: LoadJob) -> None:
+        """The request went away: the loader skips the job if it has not started it."""
+        job.dropped = True
+
+    def wait(self, jobs: Sequence[LoadJob], timeout: float) -> bool:
+        """Sleep until one of `jobs` is done or `timeout` seconds pass."""
+        return self.loader.wait_any(jobs, timeout)
+
+    def _missing(self, pool: BlockPool, chains: Sequence[Chain]
+                 ) -> tuple[dict[int, Want], dict[int, int], list[Block]]:
+        """The blocks of `chains` the pool lacks (key -> tokens and parent if partial, and the
+        tokens each serves), and the pool's hits among them."""
         bs = self.shape.block_size
-        want: dict[int, tuple[tuple[int, ...], int | None]] = {}  # key -> (tokens, parent if partial)
-        serves: dict[int, int] = {}  # key -> tokens it serves
+        want: dict[int, Want] = {}
+        serves: dict[int, int] = {}
         held: list[Block] = []
         for seed, keys, tokens, tail_key, extended in chains:
             hits = pool.lookup_chain(keys, tokens, bs)
@@ -147,11 +210,16 @@ class TierStack:
                 elif k not in want:
                     want[k] = (toks, parent)
                     serves[k] = len(toks) - (extended and j == len(blocks) - 1)
-        if not want:
-            return Counter()
+        return want, serves, held
+
+    def _install(self, pool: BlockPool, found: list[tuple[str, BlockKV]], serves: dict[int, int],
+                 held: list[Block]) -> Counter[str]:
+        loaded: Counter[str] = Counter()
+        if not found:
+            return loaded
         pool.acquire_many(held)  # this layout's own hits must not be evicted to make room for loads
         try:
-            found = self._load(want, pool.num_free)
+            found = found[:pool.num_free]
             blocks_in = [pool.allocate() for _ in found]
             self.storage.write_blocks([b.id for b in blocks_in], [kv.kv for _, kv in found])
             for blk, (_, kv) in zip(blocks_in, found):
@@ -159,27 +227,10 @@ class TierStack:
             pool.release_many(blocks_in)
         finally:
             pool.release_many(held)
-        loaded: Counter[str] = Counter()
         for name, kv in found:
             loaded[name] += serves[kv.key]
         self.served.update(loaded)
         return loaded
-
-    def _load(self, want: dict[int, tuple[tuple[int, ...], int | None]], room: int) -> list[tuple[str, BlockKV]]:
-        found: list[tuple[str, BlockKV]] = []
-        left = list(want)
-        for tier in self.tiers:
-            if not left or len(found) >= room:
-                break
-            rest = []
-            for k, b in zip(left, tier.load_many(left)):
-                # the tokens are compared as a pool hit compares them: a key collision is a miss
-                if b is not None and (b.tokens, b.parent) == want[k]:
-                    found.append((tier.name, b))
-                else:
-                    rest.append(k)
-            left = rest
-        return found[:room]
 
     # ---- shutdown -----------------------------------------------------------------------------
     def close(self, pool: BlockPool | None = None) -> None:
@@ -187,6 +238,7 @@ class TierStack:
         too, so a restarted server finds it. Then close every tier. Idempotent."""
         if not self._thread.is_alive():
             return
+        self.loader.close()
         self._jobs.put(None)
         self._thread.join()
         if self.disk is not None:

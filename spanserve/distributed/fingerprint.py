@@ -1,0 +1,85 @@
+"""The tiers' model identity for a tensor-parallel engine: the fingerprint the same model has at
+TP=1, so TP=1 and TP=N engines share a disk or remote store.
+
+`model_fingerprint` hashes the config and the leading bytes of a few whole tensors; no rank holds
+those whole (a row-parallel weight's leading rows span every shard). The driver reads just those
+rows from the weight source: safetensors slices, the host model, or the random pieces that make
+them."""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spanserve.cache.tiers.config import _FINGERPRINT_BYTES, model_fingerprint
+from spanserve.distributed.shard import shard_dim
+from spanserve.distributed.weights import MemoryWeights, PathWeights, RandomWeights
+from spanserve.model import loader
+from spanserve.model.config import ModelConfig
+
+
+def whole_model_fingerprint(source: Any, config: ModelConfig, dtype: torch.dtype, block_size: int,
+                            device: torch.device) -> bytes:
+    return model_fingerprint(config, LeadingRows(source, config, dtype, device), dtype, block_size)
+
+
+class LeadingRows(Mapping):
+    """The whole model's tensors by name as TP=1 loads them, each cut to the leading rows that
+    hold the bytes `model_fingerprint` samples (flattened, a tensor starts with its first rows)."""
+
+    def __init__(self, source: Any, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        self.source, self.config, self.dtype, self.device = source, config, dtype, device
+        self.shapes = loader.expected_shapes(config)
+        if isinstance(source, MemoryWeights):
+            self.shapes = {k: tuple(v.shape) for k, v in source.model.weights.items()}
+        elif isinstance(source, RandomWeights):  # its whole model always has its own LM head
+            self.shapes.setdefault("lm_head.weight", self.shapes["model.embed_tokens.weight"])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        row = math.prod(shape[1:])
+        rows = min(shape[0], -(-(_FINGERPRINT_BYTES // elem) // row))
+        s = self.source
+        if isinstance(s, MemoryWeights):
+            return s.model.weights[name][:rows].to(self.dtype)
+        if isinstance(s, PathWeights):
+            return _safetensors_rows(Path(s.path), name, rows).to(self.dtype)
+        if isinstance(s, RandomWeights):
+            return _random_rows(s, name, shape, rows, self.dtype, self.device)
+        raise TypeError(f"no fingerprint for weight source {type(s).__name__}")
+
+
+def _safetensors_rows(path: Path, name: str, rows: int) -> torch.Tensor:
+    from safetensors import safe_open
+
+    for file in loader._safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            if name in f.keys():
+                return f.get_slice(name)[:rows]
+    raise ValueError(f"{path}: weights missing for {name}")
+
+
+def _random_rows(s: RandomWeights, name: str, shape: tuple[int, ...], rows: int, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+    """Rows [0, rows) of RandomWeights' whole tensor, made as `RandomWeights.shard` makes it."""
+    if len(shape) == 1:
+        return torch.ones(rows, dtype=dtype, device=device)
+    if name == "lm_head.weight" and s.config.tie_word_embeddings:
+        name = "model.embed_tokens.weight"
+    dim = shard_dim(name) or 0
+    # pieces along the rows: make only the first ones; along the columns every piece holds part of a row
+    cut = (0, 0, rows) if dim == 0 else (dim, 0, shape[dim])
+    t = s._range(name, shape, cut, dtype, device)[:rows]
+    if name != "model.embed_tokens.weight":
+        t.mul_(1.0 / math.sqrt(shape[1]))
+    return t
