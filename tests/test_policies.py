@@ -23,7 +23,7 @@ def tiny(tmp_path_factory):
 
 sink_k = st.sampled_from([0, 0, 1, 4])
 policies = st.one_of(
-    st.builds(CacheBlend, ratio=st.sampled_from([0.0, 0.15, 0.5, 1.0]), check_layer=st.integers(1, 3),
+    st.builds(CacheBlend, ratio=st.sampled_from([0.0, 0.15, 0.5, 1.0]), check_layer=st.sampled_from([None, 1, 2, 3]),
               sink_tokens=sink_k),
     st.builds(SparseQ, budget=st.sampled_from([0.05, 0.15, 0.3]), boundary=st.sampled_from([None, 0, 1, 2]),
               overflow_blocks=st.integers(0, 1), tail=st.sampled_from([0, 8]), sink_tokens=sink_k),
