@@ -1,10 +1,15 @@
 """TTFT of a RAG request whose documents' KV is served from each tier below the pool (host memory,
-local disk, Redis on loopback) versus recomputing them and versus finding them in the pool, and
-each tier's load bandwidth against that tier's ceiling measured in the same run (pinned
-host-to-device copy on a GPU, memory copy on a CPU; raw file reads; raw Redis MGET).
+local disk, Redis on loopback) versus recomputing them (span-cold: the segments encoded now;
+stock: the same tokens as one plain prompt, as an engine without span reuse or tiers computes
+it) and versus finding them in the pool, and each tier's load bandwidth against that tier's
+ceiling measured in the same run (pinned host-to-device copy on a GPU, memory copy on a CPU; raw
+file reads; raw Redis MGET).
 
-The break-even bandwidth is the layout's KV bytes over its recompute time: a tier that delivers
-less than that loses to recomputing the documents.
+Every row's first request is a warm-up and is dropped: the first short step over a cached
+context captures a CUDA graph for its padded shape, which costs several forwards. The copy-time
+lower bound is the host tier's bytes over the measured pinned-copy bandwidth; it bounds any
+host-tier speedup. The break-even bandwidth is the layout's KV bytes over the span-cold
+recompute time: a tier that delivers less than that loses to recomputing the documents.
 
     python benchmarks/tiers.py                 # CPU, SmolLM2, 8 documents x 256 tokens (+ Redis if installed)
     python benchmarks/tiers.py --gpu           # CUDA, random Llama-3-8B bf16, 32 x 2857 tokens
@@ -13,12 +18,13 @@ less than that loses to recomputing the documents.
 from __future__ import annotations
 
 import argparse
+import itertools
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -26,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import format_table, llama3_8b_config, median, random_model, random_tokens, save_figure, write_json  # noqa: E402
 
+from spanserve.cache import kv_upload  # noqa: E402
 from spanserve.cache.storage import bytes_per_block  # noqa: E402
 from spanserve.cache.tiers.payload import BlockKV  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
@@ -44,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--n", type=int, default=None, help="documents (default 8 on CPU, 32 on GPU)")
     ap.add_argument("--doc-len", type=int, default=None, help="tokens per document (default 256 / 2857 on GPU)")
     ap.add_argument("--question-len", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=3, help="timed requests per row (after one warm-up)")
     ap.add_argument("--tiers", default=None, help="comma list of host,disk,store (default: all that are available)")
     ap.add_argument("--disk-dir", default=None, help="directory for the disk tier (default: a temp dir)")
     ap.add_argument("--store-timeout-ms", type=float, default=1000.0,
@@ -102,30 +109,61 @@ class Bench:
         self.prefix = random_tokens(gen, 16, v)
         self.docs = [random_tokens(gen, args.doc_len, v) for _ in range(args.n)]
         self.gen, self.vocab, self.qlen = gen, v, args.question_len
-        self.fill_s: list[float] = []
-        fill = self.eng.tiers.fill
+        self.fill_s: list[float] = []  # whole loads: tier reads, pool bookkeeping, copies into the pool
+        self.copy_s: list[float] = []  # of which the copies into the pool (write_blocks, timed on the device)
+        self.upload_runs: list[int] = []  # contiguous host runs each load's blocks came in (one copy each)
+        fill, write = self.eng.tiers.fill, self.eng.storage.write_blocks
 
-        def timed_fill(*a: Any, **k: Any) -> Any:  # the load itself: tier reads, copies into the pool
+        laps: list[Any] = []  # (start, end) events of write_blocks, read once the fill is synchronized
+
+        def timed_fill(*a: Any, **k: Any) -> Any:
             self._sync()
             t0 = time.perf_counter()
             out = fill(*a, **k)
             self._sync()
             self.fill_s.append(time.perf_counter() - t0)
+            for lap, (ids, kvs) in laps:
+                self.copy_s.append(lap if isinstance(lap, float) else lap[0].elapsed_time(lap[1]) / 1e3)
+                self.upload_runs.append(len(kv_upload.plan(ids, kvs).runs))
+            laps.clear()
             return out
+
+        def timed_write(*a: Any) -> Any:  # device events, no sync: the copies stay overlapped
+            if self.device.type != "cuda":
+                t0 = time.perf_counter()
+                write(*a)
+                laps.append((time.perf_counter() - t0, a))
+                return
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            write(*a)
+            end.record()
+            laps.append(((start, end), a))
         self.eng.manager.tiers.fill = timed_fill  # type: ignore[method-assign]
+        self.eng.storage.write_blocks = timed_write  # type: ignore[method-assign]
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+    def graph_captures(self) -> int:
+        """Step CUDA graphs captured so far (none without graphs; the log keeps the last 64)."""
+        graphs = getattr(self.eng.runner, "step_graphs", None)
+        return len(graphs.captured) if graphs is not None else 0
 
     def layout(self) -> list[Segment]:
         q = random_tokens(self.gen, self.qlen, self.vocab)  # a new question each time: only documents hit
         return ([Segment(token_ids=self.prefix)] + [Segment(token_ids=d, kind="plus") for d in self.docs]
                 + [Segment(token_ids=q)])
 
-    def ttft(self, namespace: str = "") -> tuple[float, dict[str, int]]:
+    def plain(self) -> list[int]:
+        """The same tokens as one plain prompt (what an engine without span reuse computes)."""
+        q = random_tokens(self.gen, self.qlen, self.vocab)
+        return self.prefix + [t for d in self.docs for t in d] + q
+
+    def ttft(self, namespace: str = "", plain: bool = False) -> tuple[float, dict[str, int]]:
         self._sync()
-        req = self.eng.add_request(self.layout(), ONE, namespace=namespace)
+        req = self.eng.add_request(self.plain() if plain else self.layout(), ONE, namespace=namespace)
         while self.eng.has_unfinished():
             self.eng.step()
         return req.first_token_time - req.arrival_time, dict(req.reuse)
@@ -146,6 +184,20 @@ class Bench:
         e.storage.read_blocks([b.id for b in cached], out)
         self._sync()
         return [BlockKV(b.key, b.tokens, out[i], b.parent) for i, b in enumerate(cached)]
+
+    def check_loaded(self, blocks: list[BlockKV], sample: int = 256) -> int:
+        """Read a random sample of `blocks` back from the pool, where the last load put them, and
+        compare them with what the tier held (the load path's result on this device). Returns
+        how many were compared; raises on a difference."""
+        pick = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(1))[:sample].tolist()
+        held = [(blocks[i], self.eng.pool.lookup(blocks[i].key, blocks[i].tokens)) for i in pick]
+        held = [(kv, b) for kv, b in held if b is not None]
+        out = torch.empty((len(held), *self.eng.tiers.shape.dims), dtype=self.eng.dtype)
+        self.eng.storage.read_blocks([b.id for _, b in held], out)
+        for (kv, _), got in zip(held, out):
+            if not torch.equal(kv.kv.cpu(), got):
+                raise AssertionError(f"block {kv.key:x} differs in the pool from the tier's copy")
+        return len(held)
 
 
 def ceiling(bench: Bench, blocks: list[BlockKV], tier: str) -> float:
@@ -178,6 +230,24 @@ def ceiling(bench: Bench, blocks: list[BlockKV], tier: str) -> float:
     return total / (time.perf_counter() - t0) / 1e9
 
 
+def block_copies(bench: Bench) -> float:
+    """GB/s of the host ceiling's bytes copied one KV block at a time (pinned, queued without
+    waiting): what the link gives at the granularity of separately captured blocks."""
+    piece = bench.eng.tiers.shape.kv_bytes
+    n = max(1, min(1 << 30, 512 * piece) // piece)
+    src = torch.empty(n * piece, dtype=torch.uint8, pin_memory=bench.device.type == "cuda")
+    dst = torch.empty(n * piece, dtype=torch.uint8, device=bench.device)
+    times = []
+    for _ in range(3):
+        bench._sync()
+        t0 = time.perf_counter()
+        for i in range(n):
+            dst[i * piece:(i + 1) * piece].copy_(src[i * piece:(i + 1) * piece], non_blocking=True)
+        bench._sync()
+        times.append(time.perf_counter() - t0)
+    return n * piece / min(times) / 1e9
+
+
 def place(bench: Bench, tier: str, blocks: list[BlockKV]) -> None:
     stack = bench.eng.tiers
     assert stack.flush(600)
@@ -185,6 +255,32 @@ def place(bench: Bench, tier: str, blocks: list[BlockKV]) -> None:
     if stack.disk is not None:
         stack.disk.clear()
     getattr(stack, tier).store_many(blocks)
+
+
+def timed(bench: Bench, runs: int, request: "Callable[[], tuple[float, dict[str, int]]]",
+          before: "Callable[[], None]" = lambda: None, loads: bool = False) -> dict[str, Any]:
+    """One warm-up request (dropped; a first short step over a cached context captures a CUDA
+    graph) and `runs` timed ones, each after `before()`: their TTFTs, median and reuse, and with
+    `loads` the tier loads' times."""
+    before()
+    bench.fill_s.clear()
+    warm, _ = request()
+    captures = bench.graph_captures()
+    ttfts, fills, copies, reuse = [], [], [], {}
+    for _ in range(runs):
+        before()
+        bench.fill_s.clear()
+        bench.copy_s.clear()
+        bench.upload_runs.clear()
+        t, reuse = request()
+        ttfts.append(t)
+        fills += bench.fill_s[:1]
+        copies.append(sum(bench.copy_s))
+    out = {"ttft_s": median(ttfts), "ttfts_s": ttfts, "warmup_s": warm, "reuse": reuse,
+           "graph_captures": bench.graph_captures() - captures}
+    if loads:
+        out.update(load_s=median(fills), loads_s=fills, copy_s=median(copies), upload_runs=list(bench.upload_runs))
+    return out
 
 
 def run(args: argparse.Namespace, store_url: str | None, disk_dir: str) -> dict[str, Any]:
@@ -196,56 +292,77 @@ def run(args: argparse.Namespace, store_url: str | None, disk_dir: str) -> dict[
     print(f"{args.n} documents x {args.doc_len} tokens, {bench.doc_blocks} full blocks per request, "
           f"{kv_bytes / 2**30:.2f} GiB of KV; tiers: {', '.join(args.tiers)}", flush=True)
     results: dict[str, dict[str, Any]] = {}
-    ttfts = []
-    for r in range(args.runs + 1):  # the first run warms up (kernels, allocator) and is dropped
-        bench.clear_pool()
-        t, reuse = bench.ttft(namespace=f"cold-{r}")
-        if r:
-            ttfts.append(t)
-    results["recompute"] = {"ttft_s": median(ttfts), "reuse": reuse}
+    count = itertools.count()  # every recompute in a namespace of its own: nothing of an earlier run hits
+    results["stock"] = timed(bench, args.runs, lambda: bench.ttft(f"stock-{next(count)}", plain=True),
+                             bench.clear_pool)
+    results["recompute"] = timed(bench, args.runs, lambda: bench.ttft(f"cold-{next(count)}"), bench.clear_pool)
     bench.clear_pool()
     bench.ttft()  # documents computed in the default namespace, now cached in the pool
     blocks = bench.cached_kv()
     assert stack.flush(600)
-    ttfts = [bench.ttft()[0] for _ in range(args.runs)]
-    results["pool"] = {"ttft_s": median(ttfts), "reuse": bench.ttft()[1]}
+    results["pool"] = timed(bench, args.runs, bench.ttft)
     ceilings: dict[str, float] = {}
     for tier in args.tiers:
         place(bench, tier, blocks)
-        ttfts, fills, reuse = [], [], {}
-        for _ in range(args.runs):
-            if tier == "host":
+        hits = getattr(stack, tier).stats.hits
+
+        def reload(tier: str = tier) -> None:
+            if tier == "host":  # what the previous run loaded moved to the pool; put it back
                 stack.host.store_many(blocks)
             bench.clear_pool()
-            bench.fill_s.clear()
-            hits = getattr(stack, tier).stats.hits
-            t, reuse = bench.ttft()
-            ttfts.append(t)
-            fills.append(bench.fill_s[0])
-            loaded = (getattr(stack, tier).stats.hits - hits) * stack.shape.kv_bytes
-        results[tier] = {"ttft_s": median(ttfts), "load_s": median(fills), "reuse": reuse,
-                         "load_GBps": loaded / median(fills) / 1e9, "loaded_bytes": loaded}
+        r = results[tier] = timed(bench, args.runs, bench.ttft, reload, loads=True)
+        loaded = (getattr(stack, tier).stats.hits - hits) // (args.runs + 1) * stack.shape.kv_bytes
+        r.update(loaded_bytes=loaded, load_GBps=loaded / r["load_s"] / 1e9,
+                 copy_GBps=loaded / r["copy_s"] / 1e9 if r["copy_s"] else 0.0,  # 0: nothing was loaded
+                 checked_blocks=bench.check_loaded(blocks))
         ceilings[tier] = ceiling(bench, blocks, tier)
-        print(f"  {tier}: TTFT {median(ttfts):.3f} s, load {median(fills):.3f} s", flush=True)
-    rc = results["recompute"]["ttft_s"]
+        if tier == "host":
+            r["block_copies_GBps"] = block_copies(bench)
+        print(f"  {tier}: TTFT {r['ttft_s']:.3f} s, load {r['load_s']:.3f} s (copies {r['copy_s']:.3f} s); "
+              f"{r['checked_blocks']} loaded blocks read back equal", flush=True)
     stack.close()
     return {"results": results, "ceiling_GBps": ceilings, "kv_bytes": kv_bytes,
-            "break_even_GBps": kv_bytes / rc / 1e9}
+            "break_even_GBps": kv_bytes / results["recompute"]["ttft_s"] / 1e9, "bounds": bounds(results, ceilings)}
+
+
+def bounds(results: dict[str, dict[str, Any]], ceilings: dict[str, float]) -> dict[str, float]:
+    """The fastest a host-tier hit can be: its bytes at the pinned-copy ceiling, alone and followed
+    by the pool-resident request's compute; and the speedups over recompute that allows."""
+    if "host" not in results or not ceilings.get("host"):
+        return {}
+    copy = results["host"]["loaded_bytes"] / (ceilings["host"] * 1e9)
+    with_step = copy + results["pool"]["ttft_s"]
+    out = {"copy_s": copy, "copy_then_pool_s": with_step}
+    for name in ("recompute", "stock"):
+        out[f"max_x_{name}"] = results[name]["ttft_s"] / copy
+        out[f"max_x_{name}_with_step"] = results[name]["ttft_s"] / with_step
+    return out
 
 
 def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
     res, ceil = out["results"], out["ceiling_GBps"]
-    rc = res["recompute"]["ttft_s"]
+    rc, st = res["recompute"]["ttft_s"], res["stock"]["ttft_s"]
     rows = []
     for name, r in res.items():
         bw = r.get("load_GBps")
-        rows.append([name, r["ttft_s"], rc / r["ttft_s"], r.get("load_s", "-"),
-                     bw if bw is not None else "-", ceil.get(name, "-"),
+        rows.append([name, r["ttft_s"], rc / r["ttft_s"], st / r["ttft_s"], r.get("load_s", "-"),
+                     bw if bw is not None else "-", r.get("copy_GBps", "-"), ceil.get(name, "-"),
                      f"{bw / ceil[name]:.0%}" if bw is not None and ceil.get(name) else "-",
                      r["reuse"].get("segment", 0), r["reuse"].get("computed", 0)])
-    print(format_table(["source", "TTFT s", "x recompute", "load s", "load GB/s", "ceiling GB/s",
-                        "of ceiling", "segment tok", "computed tok"], rows))
-    print(f"break-even bandwidth (layout KV / recompute time): {out['break_even_GBps']:.3g} GB/s "
+    print(format_table(["source", "TTFT s", "x span-cold", "x stock", "load s", "load GB/s", "copy GB/s",
+                        "ceiling GB/s", "of ceiling", "segment tok", "computed tok"], rows))
+    print("warm-up requests (dropped): " + ", ".join(f"{n} {r['warmup_s']:.3f} s" for n, r in res.items()))
+    if "host" in res and res["host"].get("block_copies_GBps"):
+        h = res["host"]
+        print(f"host loads: copies into the pool at {h['copy_GBps']:.3g} GB/s, from {h['upload_runs']} host runs; "
+              f"pinned link {ceil['host']:.3g} GB/s as one copy, {h['block_copies_GBps']:.3g} GB/s one block per copy")
+    b = out["bounds"]
+    if b:
+        print(f"copy-time lower bound (host bytes / pinned-copy ceiling): {b['copy_s']:.3f} s: at most "
+              f"{b['max_x_recompute']:.1f}x span-cold and {b['max_x_stock']:.1f}x stock; followed by the "
+              f"pool-resident request ({b['copy_then_pool_s']:.3f} s): {b['max_x_recompute_with_step']:.1f}x "
+              f"and {b['max_x_stock_with_step']:.1f}x")
+    print(f"break-even bandwidth (layout KV / span-cold recompute time): {out['break_even_GBps']:.3g} GB/s "
           f"for {out['kv_bytes'] / 2**30:.2f} GiB")
 
 
@@ -256,9 +373,13 @@ def plot(out: dict[str, Any], name: str, title: str) -> str:
     import matplotlib.pyplot as plt
 
     res = out["results"]
-    fig, ax = plt.subplots(figsize=(6, 3.2))
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
     names = list(res)
-    ax.bar(names, [res[n]["ttft_s"] for n in names], color=["#999"] + ["#4a7"] + ["#47a"] * (len(names) - 2))
+    colors = {"stock": "#666", "recompute": "#999", "pool": "#4a7"}
+    ax.bar(names, [res[n]["ttft_s"] for n in names], color=[colors.get(n, "#47a") for n in names])
+    if out["bounds"]:
+        ax.axhline(out["bounds"]["copy_s"], color="#c33", lw=1, ls="--", label="copy-time lower bound")
+        ax.legend(fontsize=8)
     ax.set_ylabel("TTFT (s)")
     ax.set_title(title, fontsize=9)
     return str(save_figure(fig, name))

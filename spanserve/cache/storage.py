@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from spanserve.cache import kv_upload
 from spanserve.model.config import ModelConfig
 
 
@@ -19,6 +20,7 @@ class KVStorage:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self._upload_stream: "torch.cuda.Stream | None" = None  # write_blocks's host-to-device copies
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
@@ -59,24 +61,27 @@ class KVStorage:
 
     def read_blocks(self, ids: list[int], out: torch.Tensor) -> None:
         """Copy whole blocks into `out` [n, 2, L, bs, KVH, D] (host memory: pinned makes it async
-        on CUDA; the caller waits on the stream before reading it)."""
+        on CUDA, nothing here waits for the device; the caller waits on the stream before reading
+        it). The pool evicting a block captures it through here, on the step path."""
+        dev = self.k.device
         for lo in range(0, len(ids), _WRITE_CHUNK):  # bounds the device buffer
-            idx = torch.tensor(ids[lo: lo + _WRITE_CHUNK], device=self.k.device)
+            idx = torch.tensor(ids[lo: lo + _WRITE_CHUNK])
+            if dev.type == "cuda":  # from pinned memory: a pageable upload would wait for the stream
+                idx = idx.pin_memory().to(dev, non_blocking=True)
             kv = torch.stack((self.k[:, idx], self.v[:, idx])).permute(2, 0, 1, 3, 4, 5)  # [n, 2, L, ...]
             out[lo: lo + len(idx)].copy_(kv, non_blocking=out.is_pinned())
 
     def write_blocks(self, ids: list[int], kvs: list[torch.Tensor]) -> None:
-        """Fill whole blocks from host tensors [2, L, bs, KVH, D] each: one async copy per block
-        into a device buffer (pinned sources make these plain DMA), then one scatter per tensor."""
-        dev = self.k.device
-        for lo in range(0, len(ids), _WRITE_CHUNK):  # bounds the device buffer
-            part = kvs[lo: lo + _WRITE_CHUNK]
-            buf = torch.empty((len(part), *part[0].shape), dtype=self.k.dtype, device=dev)
-            for i, kv in enumerate(part):
-                buf[i].copy_(kv, non_blocking=kv.is_pinned())
-            idx = torch.tensor(ids[lo: lo + _WRITE_CHUNK], device=dev)
-            self.k[:, idx] = buf[:, 0].transpose(0, 1)
-            self.v[:, idx] = buf[:, 1].transpose(0, 1)
+        """Fill whole blocks from host tensors [2, L, bs, KVH, D] each (a repeated id: the last
+        one wins). On CUDA the copies are queued, not waited for: pinned sources go as a few large
+        DMA transfers, overlapped with the scatter into the pool (`kv_upload`)."""
+        if self.k.device.type == "cuda" and self._upload_stream is None:
+            self._upload_stream = torch.cuda.Stream(self.k.device)
+        chunk = max(1, _UPLOAD_BUFFER_BYTES // (2 * self.k[:, 0].numel() * self.k.element_size()))
+        kv_upload.upload(self.k, self.v, kv_upload.plan(ids, kvs), chunk, self._upload_stream)
 
 
-_WRITE_CHUNK = 256  # blocks per device buffer in read_blocks and write_blocks (512 MiB for an 8B model in bf16)
+_WRITE_CHUNK = 256  # blocks per device buffer in read_blocks (512 MiB for an 8B model in bf16)
+# each of write_blocks's two device buffers (128 blocks of an 8B model in bf16): large enough that
+# a transfer is long against a launch, small enough to fit beside a full pool
+_UPLOAD_BUFFER_BYTES = 256 << 20

@@ -1,0 +1,140 @@
+"""Whole KV blocks from host memory into the paged pool in a few large transfers.
+
+A tier hit of a long layout is thousands of blocks (an 8B model's 2 MiB each). Copied one block
+at a time with a synchronising index upload per batch, the link idles between batches; here the
+sources are first merged into runs (blocks that are consecutive views of one host buffer, as a
+batched capture leaves them, travel as one copy), the destination ids go up once from pinned
+memory, and on CUDA the host-to-device copies run on a side stream into two alternating device
+buffers while the compute stream scatters the previous buffer into the pool, so nothing waits
+for the host until the caller does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Upload:
+    """What to copy: `slots[i]` (unique pool block ids) receives row i of the concatenation of
+    `runs` (each [n, 2, L, bs, KVH, D]), in order."""
+
+    slots: np.ndarray
+    runs: list[torch.Tensor]
+
+
+def plan(ids: list[int], kvs: list[torch.Tensor]) -> Upload:
+    """Drop writes a later write to the same block overrides (as sequential copies would leave
+    it: the last one wins; unique ids also keep the scatter deterministic) and merge consecutive
+    views of one host buffer into runs."""
+    if len(ids) != len(kvs):
+        raise ValueError(f"{len(ids)} block ids for {len(kvs)} KV tensors")
+    arr = np.asarray(ids, dtype=np.int64)
+    keep = range(len(ids))
+    if len(np.unique(arr)) != len(arr):
+        _, first_from_end = np.unique(arr[::-1], return_index=True)
+        keep = np.sort(len(arr) - 1 - first_from_end).tolist()
+        arr = arr[keep]
+    srcs = [kvs[j] for j in keep]
+    # a block continues the run before it when it is the next contiguous view of the same base
+    # tensor (attribute reads per block, the comparison vectorized: a layout is thousands)
+    ptrs = np.array([kv.data_ptr() for kv in srcs], dtype=np.int64)
+    size = np.array([kv.numel() * kv.element_size() for kv in srcs], dtype=np.int64)
+    bases = [kv._base for kv in srcs]
+    contig = [kv.is_contiguous() for kv in srcs]
+    joins = (ptrs[1:] == ptrs[:-1] + size[:-1]).tolist()
+    runs: list[torch.Tensor] = []
+    first = 0
+    for j in range(1, len(srcs) + 1):
+        if (j < len(srcs) and joins[j - 1] and contig[j] and contig[j - 1] and bases[j] is not None
+                and bases[j] is bases[j - 1] and srcs[j].shape == srcs[first].shape
+                and srcs[j].dtype == srcs[first].dtype):
+            continue
+        runs.append(_run(srcs[first], j - first))
+        first = j
+    return Upload(arr, runs)
+
+
+def _run(first: torch.Tensor, n: int) -> torch.Tensor:
+    """`first` and the n - 1 blocks after it in its base tensor, as one [n, ...] view."""
+    if n == 1:
+        return first.unsqueeze(0)
+    return first.as_strided((n, *first.shape), (first.numel(), *first.stride()), first.storage_offset())
+
+
+def upload(k: torch.Tensor, v: torch.Tensor, up: Upload, chunk_blocks: int,
+           stream: "torch.cuda.Stream | None" = None) -> None:
+    """Scatter `up` into the pool tensors k and v ([L, blocks, bs, KVH, D] each) through device
+    buffers of `chunk_blocks` blocks. On CUDA (`stream`: the side stream the host-to-device
+    copies run on) the copies are queued, not waited for; the caller's stream is ordered after
+    them. Elsewhere the same steps run in order."""
+    n = len(up.slots)
+    if n == 0:
+        return
+    cuda = k.device.type == "cuda"
+    if cuda and stream is None:
+        raise ValueError("a CUDA upload needs its copy stream")
+    main = torch.cuda.current_stream(k.device) if cuda else None
+    idx = torch.from_numpy(up.slots)
+    idx = idx.pin_memory().to(k.device, non_blocking=True) if cuda else idx
+    chunk = max(1, min(chunk_blocks, n))
+    dims = up.runs[0].shape[1:]
+    bufs = [torch.empty((chunk, *dims), dtype=k.dtype, device=k.device) for _ in range(1 if n <= chunk else 2)]
+    free: list["torch.cuda.Event | None"] = [None] * len(bufs)
+    if cuda:
+        stream.wait_stream(main)  # the buffers and the index were made on the compute stream
+    for c, (lo, pieces) in enumerate(_pieces(up.runs, chunk)):
+        buf = bufs[c % len(bufs)][: sum(len(p) for p in pieces)]
+        landed = _fill(buf, pieces, stream, free[c % len(bufs)])
+        if landed is not None:
+            main.wait_event(landed)
+        k.index_copy_(1, idx[lo: lo + len(buf)], buf[:, 0].transpose(0, 1))
+        v.index_copy_(1, idx[lo: lo + len(buf)], buf[:, 1].transpose(0, 1))
+        if cuda:
+            free[c % len(bufs)] = done = torch.cuda.Event()
+            done.record(main)
+    if cuda:
+        for b in bufs:
+            b.record_stream(stream)  # not handed out again before the side stream's copies finish
+
+
+def _fill(buf: torch.Tensor, pieces: list[torch.Tensor], stream: "torch.cuda.Stream | None",
+          free: "torch.cuda.Event | None") -> "torch.cuda.Event | None":
+    """Copy `pieces` into `buf` back to back; on CUDA on `stream`, after `free` (the scatter that
+    last read this buffer), returning the event that marks them landed."""
+    if stream is None:
+        at = 0
+        for src in pieces:
+            buf[at: at + len(src)].copy_(src)
+            at += len(src)
+        return None
+    with torch.cuda.stream(stream):
+        if free is not None:
+            stream.wait_event(free)
+        at = 0
+        for src in pieces:
+            buf[at: at + len(src)].copy_(src, non_blocking=src.is_pinned())
+            at += len(src)
+        landed = torch.cuda.Event()
+        landed.record(stream)
+    return landed
+
+
+def _pieces(runs: list[torch.Tensor], chunk: int) -> list[tuple[int, list[torch.Tensor]]]:
+    """The runs cut at every multiple of `chunk` rows: (first row, sources) of each buffer load."""
+    out: list[tuple[int, list[torch.Tensor]]] = [(0, [])]
+    room, row = chunk, 0
+    for r in runs:
+        at = 0
+        while at < len(r):
+            if room == 0:
+                out.append((row, []))
+                room = chunk
+            take = min(room, len(r) - at)
+            out[-1][1].append(r[at: at + take])
+            at += take
+            room -= take
+            row += take
+    return out
