@@ -113,10 +113,15 @@ def _fill(buf: torch.Tensor, pieces: list[torch.Tensor], stream: "torch.cuda.Str
     with torch.cuda.stream(stream):
         if free is not None:
             stream.wait_event(free)
-        at = 0
+        # One foreach call queues every copy from C++: a Python loop of copy_ (and is_pinned) per
+        # 2 MiB block enqueued more slowly than the link moves the bytes (59% of the pinned
+        # ceiling on an H100). non_blocking is safe for pageable sources too (CUDA stages them).
+        dsts, at = [], 0
         for src in pieces:
-            buf[at: at + len(src)].copy_(src, non_blocking=src.is_pinned())
-            at += len(src)
+            n = src.shape[0]
+            dsts.append(buf.narrow(0, at, n))
+            at += n
+        torch._foreach_copy_(dsts, pieces, non_blocking=True)
         landed = torch.cuda.Event()
         landed.record(stream)
     return landed
