@@ -10,6 +10,7 @@ for the host until the caller does.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,10 +20,12 @@ import torch
 @dataclass
 class Upload:
     """What to copy: `slots[i]` (unique pool block ids) receives row i of the concatenation of
-    `runs` (each [n, 2, L, bs, KVH, D]), in order."""
+    `runs` (each [n, 2, L, bs, KVH, D]), in order; or, when no two sources are adjacent in one
+    host buffer (blocks the tier captured one by one), row i of `singles` (each one block)."""
 
     slots: np.ndarray
     runs: list[torch.Tensor]
+    singles: list[torch.Tensor] | None = None
 
 
 def plan(ids: list[int], kvs: list[torch.Tensor]) -> Upload:
@@ -37,14 +40,17 @@ def plan(ids: list[int], kvs: list[torch.Tensor]) -> Upload:
         _, first_from_end = np.unique(arr[::-1], return_index=True)
         keep = np.sort(len(arr) - 1 - first_from_end).tolist()
         arr = arr[keep]
-    srcs = [kvs[j] for j in keep]
+    srcs = kvs if len(arr) == len(kvs) else [kvs[j] for j in keep]
     # a block continues the run before it when it is the next contiguous view of the same base
     # tensor (attribute reads per block, the comparison vectorized: a layout is thousands)
     ptrs = np.array([kv.data_ptr() for kv in srcs], dtype=np.int64)
-    size = np.array([kv.numel() * kv.element_size() for kv in srcs], dtype=np.int64)
+    size = np.array([kv.nbytes for kv in srcs], dtype=np.int64)
+    adjacent = ptrs[1:] == ptrs[:-1] + size[:-1]
+    if not adjacent.any():  # nothing to merge: skip the per-block run building (host time the
+        return Upload(arr, [], list(srcs))  # link would idle through before the first copy)
     bases = [kv._base for kv in srcs]
     contig = [kv.is_contiguous() for kv in srcs]
-    joins = (ptrs[1:] == ptrs[:-1] + size[:-1]).tolist()
+    joins = adjacent.tolist()
     runs: list[torch.Tensor] = []
     first = 0
     for j in range(1, len(srcs) + 1):
@@ -80,14 +86,15 @@ def upload(k: torch.Tensor, v: torch.Tensor, up: Upload, chunk_blocks: int,
     idx = torch.from_numpy(up.slots)
     idx = idx.pin_memory().to(k.device, non_blocking=True) if cuda else idx
     chunk = max(1, min(chunk_blocks, n))
-    dims = up.runs[0].shape[1:]
+    dims = up.singles[0].shape if up.singles is not None else up.runs[0].shape[1:]
     bufs = [torch.empty((chunk, *dims), dtype=k.dtype, device=k.device) for _ in range(1 if n <= chunk else 2)]
     free: list["torch.cuda.Event | None"] = [None] * len(bufs)
     if cuda:
         stream.wait_stream(main)  # the buffers and the index were made on the compute stream
-    for c, (lo, pieces) in enumerate(_pieces(up.runs, chunk)):
-        buf = bufs[c % len(bufs)][: sum(len(p) for p in pieces)]
-        landed = _fill(buf, pieces, stream, free[c % len(bufs)])
+    loads = _pieces(up.runs, chunk) if up.singles is None else _singles(up.singles, chunk)
+    for c, (lo, rows, pieces) in enumerate(loads):
+        buf = bufs[c % len(bufs)][:rows]
+        landed = _fill(buf, pieces, stream, free[c % len(bufs)], up.singles is not None)
         if landed is not None:
             main.wait_event(landed)
         k.index_copy_(1, idx[lo: lo + len(buf)], buf[:, 0].transpose(0, 1))
@@ -101,9 +108,12 @@ def upload(k: torch.Tensor, v: torch.Tensor, up: Upload, chunk_blocks: int,
 
 
 def _fill(buf: torch.Tensor, pieces: list[torch.Tensor], stream: "torch.cuda.Stream | None",
-          free: "torch.cuda.Event | None") -> "torch.cuda.Event | None":
-    """Copy `pieces` into `buf` back to back; on CUDA on `stream`, after `free` (the scatter that
-    last read this buffer), returning the event that marks them landed."""
+          free: "torch.cuda.Event | None", singles: bool = False) -> "torch.cuda.Event | None":
+    """Copy `pieces` (runs [n, ...], or with `singles` one block each) into `buf` back to back;
+    on CUDA on `stream`, after `free` (the scatter that last read this buffer), returning the
+    event that marks them landed."""
+    if singles:
+        pieces = [p.unsqueeze(0) for p in pieces] if stream is None else pieces
     if stream is None:
         at = 0
         for src in pieces:
@@ -116,30 +126,39 @@ def _fill(buf: torch.Tensor, pieces: list[torch.Tensor], stream: "torch.cuda.Str
         # One foreach call queues every copy from C++: a Python loop of copy_ (and is_pinned) per
         # 2 MiB block enqueued more slowly than the link moves the bytes (59% of the pinned
         # ceiling on an H100). non_blocking is safe for pageable sources too (CUDA stages them).
-        dsts, at = [], 0
-        for src in pieces:
-            n = src.shape[0]
-            dsts.append(buf.narrow(0, at, n))
-            at += n
+        if singles:
+            dsts = list(buf.unbind(0))
+        else:
+            dsts, at = [], 0
+            for src in pieces:
+                n = src.shape[0]
+                dsts.append(buf.narrow(0, at, n))
+                at += n
         torch._foreach_copy_(dsts, pieces, non_blocking=True)
         landed = torch.cuda.Event()
         landed.record(stream)
     return landed
 
 
-def _pieces(runs: list[torch.Tensor], chunk: int) -> list[tuple[int, list[torch.Tensor]]]:
-    """The runs cut at every multiple of `chunk` rows: (first row, sources) of each buffer load."""
-    out: list[tuple[int, list[torch.Tensor]]] = [(0, [])]
-    room, row = chunk, 0
+def _singles(blocks: list[torch.Tensor], chunk: int) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
+    for lo in range(0, len(blocks), chunk):
+        part = blocks[lo: lo + chunk]
+        yield lo, len(part), part
+
+
+def _pieces(runs: list[torch.Tensor], chunk: int) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
+    """The runs cut at every multiple of `chunk` rows: (first row, rows, sources) of each buffer
+    load, made as the loads go (the first copies start without waiting for the last cut)."""
+    lo, rows, part = 0, 0, []
     for r in runs:
         at = 0
         while at < len(r):
-            if room == 0:
-                out.append((row, []))
-                room = chunk
-            take = min(room, len(r) - at)
-            out[-1][1].append(r[at: at + take])
+            if rows == chunk:
+                yield lo, rows, part
+                lo, rows, part = lo + rows, 0, []
+            take = min(chunk - rows, len(r) - at)
+            part.append(r[at: at + take])
             at += take
-            room -= take
-            row += take
-    return out
+            rows += take
+    if part:
+        yield lo, rows, part
