@@ -66,7 +66,7 @@ class CacheBlend(Policy):
         return True
 
     def decision_layer(self, num_layers: int) -> int:
-        c = max(1, round(0.15 * num_layers)) if self.check_layer is None else self.check_layer
+        c = max(1, hybrid_depth(num_layers)) if self.check_layer is None else self.check_layer
         return min(c, num_layers - 1)
 
     def select(self, deviation: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,7 +109,7 @@ class SparseQ(Policy):
         return True
 
     def decision_layer(self, num_layers: int) -> int:
-        b = round(0.15 * num_layers) if self.boundary is None else self.boundary
+        b = hybrid_depth(num_layers) if self.boundary is None else self.boundary
         return min(b, num_layers - 1)
 
     def select(self, scores: torch.Tensor, reused: torch.Tensor, block_size: int,
@@ -161,6 +161,12 @@ class Sinks(Policy):
     def select(self, sinks: torch.Tensor) -> torch.Tensor:
         """sinks [n_reused] bool -> their indices."""
         return sinks.nonzero().flatten()
+
+
+def hybrid_depth(num_layers: int) -> int:
+    """The layers a selective policy recomputes in full before it decides (~15%): SparseQ's
+    default boundary and CacheBlend's default check layer, so their budgets compare at one cost."""
+    return round(0.15 * num_layers)
 
 
 def _check_sinks(k: int) -> None:
