@@ -52,25 +52,28 @@ class Run:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.dev = "cpu" if args.dry else "cuda"
-        self.dtype = "float32" if args.dry else "bfloat16"
+        self.dtype = "float32" if args.dry else args.dtype
 
     def sync(self) -> None:
         if self.dev == "cuda":
             torch.cuda.synchronize()
 
-    def backend(self) -> Any:
+    def backend(self, split_scale: int = 1) -> Any:
+        """split_scale: the attention split's per-KV-head program target times this (2 at TP=1 cuts
+        rows as TP=2's ranks do, with half the KV heads each)."""
         if self.dev != "cuda":
             return None  # the reference backend (Triton's CPU interpreter is too slow for a dry run)
         from spanserve.attention.triton import TritonBackend
-        return TritonBackend()
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        return TritonBackend(split_programs=2 * sms * split_scale)
 
-    def engine(self, config: ModelConfig, tp: int, float32_reduce: bool = False, **kw: Any) -> LLMEngine:
+    def engine(self, config: ModelConfig, v: "Variant", **kw: Any) -> LLMEngine:
         t0 = time.perf_counter()
         eng = LLMEngine(RandomWeights(config, seed=self.args.seed), device=self.dev, dtype=self.dtype,
-                        backend=self.backend(), tensor_parallel_size=tp, tp_float32_reduce=float32_reduce,
+                        backend=self.backend(v.split_scale), tensor_parallel_size=v.tp,
+                        tp_float32_reduce=v.float32_reduce, tp_peer_all_reduce=v.peer,
                         cuda_graphs=not self.args.no_graphs and "auto", **kw)
-        print(f"TP={tp}{' f32-reduce' if float32_reduce else ''}: engine up in {time.perf_counter() - t0:.1f} s",
-              flush=True)
+        print(f"{v.name}: engine up in {time.perf_counter() - t0:.1f} s", flush=True)
         return eng
 
     def close(self, eng: LLMEngine) -> None:
@@ -90,21 +93,23 @@ class Run:
             eng.step()
 
     # ---- measurements ------------------------------------------------------------------------
-    def greedy(self, eng: LLMEngine, vocab: int) -> list[list[int]]:
-        """Greedy tokens of span layouts: cold, then the same documents at other positions."""
+    def greedy(self, eng: LLMEngine, vocab: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Greedy tokens of span layouts (cold, then the same documents at other positions) and,
+        at each, the logprob gap between the chosen token and the runner-up."""
         gen = torch.Generator().manual_seed(7)
         t = lambda n: random_tokens(gen, n, vocab)  # noqa: E731
         docs = [t(n) for n in (300, 211, 157)]
         sys_, qs = t(23), [t(17) for _ in range(3)]
         lays = [[Segment(token_ids=sys_)] + [Segment(token_ids=docs[i], kind="plus") for i in order]
                 + [Segment(token_ids=q)] for order, q in zip(([0, 1, 2], [2, 0, 1], [1, 2]), qs)]
-        params = SamplingParams(max_tokens=self.args.greedy_tokens, temperature=0, ignore_eos=True)
-        out = []
+        params = SamplingParams(max_tokens=self.args.greedy_tokens, temperature=0, ignore_eos=True, logprobs=2)
+        out, gaps = [], []
         for lay in lays:  # one at a time: the later ones read the first one's cached documents
             req = eng.add_request(lay, params)
             self.drain(eng)
             out.append(list(req.output_token_ids))
-        return out
+            gaps.append([_gap(lp.top) for lp in req.logprobs])
+        return out, gaps
 
     def prefill(self, eng: LLMEngine, vocab: int) -> float:
         gen = torch.Generator().manual_seed(2)
@@ -140,7 +145,23 @@ class Run:
         return res
 
 
-VARIANTS = [("TP=1", 1, False), ("TP=2", 2, False), ("TP=2 f32-reduce", 2, True)]
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    tp: int
+    float32_reduce: bool = False
+    peer: bool = True
+    split_scale: int = 1
+
+
+VARIANTS = {"tp1": Variant("TP=1", 1), "tp2": Variant("TP=2", 2), "tp2f32": Variant("TP=2 f32-reduce", 2, True),
+            "tp2nccl": Variant("TP=2 NCCL sums", 2, peer=False),
+            "tp1split": Variant("TP=1, TP=2's attention split", 1, split_scale=2)}
+
+
+def _gap(top: dict[int, float]) -> float:
+    best = sorted(top.values(), reverse=True)
+    return best[0] - best[1] if len(best) > 1 else float("inf")
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -152,13 +173,14 @@ def shape_8b(run: Run) -> None:
     cfg = tiny_config() if args.dry else llama3_8b_config()
     blocks = (args.prefill + max(args.batches) * (args.context + args.decode_steps + 16)) // 16 + 512
     kw = dict(num_blocks=blocks, max_num_batched_tokens=args.prefill + 16, max_num_seqs=max(args.batches))
-    variants = [v for v in VARIANTS if v[0] in ["TP=1"] + [{"tp2": "TP=2", "tp2f32": "TP=2 f32-reduce"}[x]
-                                                           for x in args.variants]]
+    variants = [VARIANTS["tp1"]] + [VARIANTS[x] for x in args.variants]
     tokens: dict[str, list[list[int]]] = {}
+    gaps: dict[str, list[list[float]]] = {}
     res: dict[str, dict[str, float]] = {}
-    for name, tp, f32 in variants:
-        eng = run.engine(cfg, tp, f32, **kw)
-        tokens[name] = run.greedy(eng, cfg.vocab_size)
+    for v in variants:
+        name = v.name
+        eng = run.engine(cfg, v, **kw)
+        tokens[name], gaps[name] = run.greedy(eng, cfg.vocab_size)
         res[name] = {} if args.skip_timing else run.timings(eng, cfg.vocab_size)
         run.close(eng)
         del eng  # gone before the next engine loads
@@ -166,25 +188,29 @@ def shape_8b(run: Run) -> None:
         if run.dev == "cuda":
             torch.cuda.empty_cache()
     rows = []
-    for name, _, _ in variants[1:]:
-        same = [first_difference(a, b) for a, b in zip(tokens[name], tokens["TP=1"])]
-        rows.append((f"greedy tokens equal to TP=1, {name} (3 layouts, cold then warm)",
-                     " / ".join(f"{n}" for n in same) + f" of {args.greedy_tokens}",
-                     all(n == args.greedy_tokens for n in same)))
-    print(format_table(["check", "tokens equal", "all"], rows))
+    base_gaps = gaps["TP=1"]
+    for v in variants[1:]:
+        same = [first_difference(a, b) for a, b in zip(tokens[v.name], tokens["TP=1"])]
+        at = [f"{g[n]:.3g}" if n < len(g) else "-" for g, n in zip(base_gaps, same)]
+        rows.append((f"{v.name} (3 layouts, cold then warm)", " / ".join(f"{n}" for n in same) + f" of {args.greedy_tokens}",
+                     all(n == args.greedy_tokens for n in same), " / ".join(at)))
+    print(format_table(["greedy tokens against TP=1", "equal", "all", "TP=1's top-2 gap where they part"], rows))
+    print("TP=1's smallest top-2 logprob gap per layout: " + " / ".join(f"{min(g):.3g}" for g in base_gaps))
     table = []
     if not args.skip_timing:
         base = res["TP=1"]
+        names = [v.name for v in variants]
         metrics = [("prefill_s", f"prefill {args.prefill} tokens, tokens/s", lambda s: args.prefill / s)]
         metrics += [(f"decode_b{b}_s", f"decode batch {b} at {args.context} tokens, ms/step", lambda s: s * 1e3)
                     for b in args.batches]
         for key, label, fmt in metrics:
-            row = [label] + [f"{fmt(res[n][key]):.2f}" for n, _, _ in variants]
-            row += [f"{res[n][key] / base[key]:.3f}x time" for n, _, _ in variants[1:]]
+            row = [label] + [f"{fmt(res[n][key]):.2f}" for n in names]
+            row += [f"{res[n][key] / base[key]:.3f}x time" for n in names[1:]]
             table.append(row)
-        print(format_table(["", *[n for n, _, _ in variants], *[f"{n} / TP=1" for n, _, _ in variants[1:]]], table))
-    write_json("tp_gpu_dry.json" if args.dry else "tp_gpu.json", {
+        print(format_table(["", *names, *[f"{n} / TP=1" for n in names[1:]]], table))
+    write_json(args.out or ("tp_gpu_dry.json" if args.dry else "tp_gpu.json"), {
         "benchmark": "tp_gpu", "shape": cfg.name, "args": vars(args), "timings_s": res, "greedy_tokens": tokens,
+        "top2_logprob_gaps": gaps,
         "checks": [list(map(str, r)) for r in rows], "table": table,
         "device": torch.cuda.get_device_name(0) if run.dev == "cuda" else "cpu"})
 
@@ -196,7 +222,7 @@ def shape_70b(run: Run) -> None:
     n, L, qlen = args.docs, args.doc_len, 64
     total = n * L + qlen
     blocks = 2 * (total // 16 + n + 8) + 64  # the pinned documents + one whole stock request
-    eng = run.engine(cfg, 2, args.float32_reduce, num_blocks=blocks, max_num_batched_tokens=args.chunk,
+    eng = run.engine(cfg, Variant("TP=2", 2, args.float32_reduce), num_blocks=blocks, max_num_batched_tokens=args.chunk,
                      max_num_seqs=4, pin_fraction=0.5)
     gen = torch.Generator().manual_seed(11)
     docs = [random_tokens(gen, L, cfg.vocab_size) for _ in range(n)]
@@ -245,8 +271,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--float32-reduce", action="store_true", help="70B: row-parallel sums in float32")
     ap.add_argument("--no-graphs", action="store_true", help="every step eager (no CUDA graphs)")
-    ap.add_argument("--variants", nargs="+", choices=["tp2", "tp2f32"], default=["tp2", "tp2f32"],
-                    help="TP=2 engines run after TP=1: bf16 sums (tp2) and/or float32 sums (tp2f32)")
+    ap.add_argument("--variants", nargs="+", choices=[k for k in VARIANTS if k != "tp1"], default=["tp2", "tp2f32"],
+                    help="engines run after TP=1: TP=2 (peer-memory sums where small), TP=2 with float32 sums, "
+                         "TP=2 with NCCL sums only, TP=1 with TP=2's attention split (a control)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--out", help="8B: the JSON's name under benchmarks/results (default tp_gpu.json)")
     ap.add_argument("--skip-timing", action="store_true", help="8B: greedy checks only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry", action="store_true", help="CPU, gloo, tiny shape and sizes: checks the script")

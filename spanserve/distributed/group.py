@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from spanserve.distributed.peer_reduce import PeerAllReduce
+
 # Workers wait on the control channel for as long as the engine is idle (a server with no
 # requests): its collectives must never time out. Peer death is seen as a closed connection.
 _IDLE_FOREVER = datetime.timedelta(days=365)
@@ -44,13 +46,16 @@ class TPGroup:
     # rounded once, as one GPU's GEMM rounds its float32 accumulator once: bf16 TP=N then tracks
     # TP=1 closely (at twice the bytes on the wire).
     float32_reduce: bool = False
+    # Small sums (decode steps) through GPU peer memory; None: NCCL does every sum.
+    peer: PeerAllReduce | None = None
 
     def __post_init__(self) -> None:
         # Probed once, outside any CUDA graph capture (an exception there would spoil it).
         self._native_f32 = self.float32_reduce and _has_mm_out_dtype(self.device)
 
     @classmethod
-    def join(cls, rank: int, world: int, port: int, device_type: str, float32_reduce: bool = False) -> "TPGroup":
+    def join(cls, rank: int, world: int, port: int, device_type: str, float32_reduce: bool = False,
+             peer_reduce: bool = True) -> "TPGroup":
         device = rank_device(device_type, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -64,11 +69,15 @@ class TPGroup:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=_IDLE_FOREVER, **kwargs)
         control = dist.new_group(backend="gloo", timeout=_IDLE_FOREVER) if backend != "gloo" else dist.group.WORLD
-        return cls(rank, world, device, control, float32_reduce)
+        peer = PeerAllReduce.make(device, dist.group.WORLD.group_name) if peer_reduce and backend == "nccl" else None
+        return cls(rank, world, device, control, float32_reduce, peer)
 
     # ---- the model's collectives ---------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place (row-parallel projections' partial outputs)."""
+        """Sum over ranks (row-parallel projections' partial outputs): in place through NCCL, or a
+        new tensor through peer memory."""
+        if self.peer is not None and self.peer.fits(x):
+            return self.peer(x)
         dist.all_reduce(x)
         return x
 
@@ -76,8 +85,7 @@ class TPGroup:
         """Sum over ranks of x @ weight.T (this rank's input columns)."""
         if not self.float32_reduce or x.dtype == torch.float32:
             return self.all_reduce(F.linear(x, weight))
-        part = _mm_float32(x.reshape(-1, x.shape[-1]), weight.t(), self._native_f32)
-        dist.all_reduce(part)
+        part = self.all_reduce(_mm_float32(x.reshape(-1, x.shape[-1]), weight.t(), self._native_f32))
         return part.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -1,0 +1,246 @@
+"""Where a tensor-parallel decode step's time goes, TP=1 against TP=2 in one run.
+
+1. All-reduce latency, two processes, in CUDA graphs of 64 sums (a decode step's count for an
+   8B model): NCCL against the peer-memory one-shot sum (`spanserve/distributed/peer_reduce.py`),
+   for [rows, hidden] messages; each peer sum is checked against NCCL's on random data first.
+2. Decode at batch 1 (random Llama-3-8B bf16, Triton, CUDA graphs) for TP=1, TP=2 with NCCL sums
+   and TP=2 with peer sums:
+   - step: `LLMEngine.step` wall time, nothing added;
+   - floor: the same prepared step run back to back without scheduling, sampling or bookkeeping
+     (TP=2: the step message is still sent each time), one sync at the end: what the GPU work and
+     the message leave;
+   - phases: each part of a step behind a CUDA sync (schedule, prepare, send, forward, LM head,
+     sampler, rest), which serialises the step and so adds up to more than `step`.
+
+    NCCL_NVLS_ENABLE=0 python benchmarks/tp_decode.py
+    python benchmarks/tp_decode.py --dry     # CPU, gloo, tiny shape: checks the script (no peer sums)
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (inherited by workers)
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from common import format_table, llama3_8b_config, median, random_tokens, write_json  # noqa: E402
+from tp_gpu import tiny_config  # noqa: E402
+
+from spanserve.distributed import RandomWeights  # noqa: E402
+from spanserve.distributed.group import TPGroup, free_port  # noqa: E402
+from spanserve.engine.engine import LLMEngine  # noqa: E402
+from spanserve.engine.sampling import SamplingParams  # noqa: E402
+
+SUMS = 64
+
+
+# ---- 1. all-reduce latency ---------------------------------------------------------------------
+def _allreduce_rank(rank: int, port: int, shapes: list[tuple[int, int]], reps: int, out: Any) -> None:
+    group = TPGroup.join(rank, 2, port, "cuda")
+    res = {}
+    for rows, hidden in shapes:
+        x = torch.randn(rows, hidden, device=group.device, dtype=torch.bfloat16)
+        row: dict[str, Any] = {}
+        fits = group.peer is not None and group.peer.fits(x)
+        if fits:
+            ref = x.clone()
+            torch.distributed.all_reduce(ref)
+            row["peer_equals_nccl"] = bool(torch.equal(group.peer(x), ref))
+        impls: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"nccl": lambda t: (torch.distributed.all_reduce(t), t)[1]}
+        if fits:
+            impls["peer"] = group.peer
+        for name, fn in impls.items():
+            y = x.clone()
+
+            def chain() -> None:
+                t = y
+                for _ in range(SUMS):
+                    t = fn(t)
+                    t.mul_(0.5)
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                chain()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                chain()
+            g.replay()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                g.replay()
+            torch.cuda.synchronize()
+            row[f"{name}_us"] = 1e6 * (time.perf_counter() - t0) / (reps * SUMS)
+            del g
+        res[f"{rows}x{hidden}"] = row
+    if rank == 0:
+        out.put(res)
+    torch.distributed.barrier()
+    group.leave()
+
+
+def allreduce_latency(args: argparse.Namespace) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    shapes = [(1, 4096), (8, 4096), (64, 4096), (1, 8192), (64, 8192), (512, 4096)]
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, shapes, args.reps, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    res = q.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    return res
+
+
+# ---- 2. decode phases ----------------------------------------------------------------------------
+class Phases:
+    """Wraps the engine's parts on the instance; with `sync`, each part ends in a CUDA sync."""
+
+    def __init__(self, eng: LLMEngine, cuda: bool):
+        self.eng, self.cuda = eng, cuda
+        self.cur: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+        self.sync = False
+        self.last_step: Any = None
+        r = eng.runner
+        self._wrap(eng.scheduler, "schedule", "schedule")
+        self._wrap(r, "prepare", "prepare", keep=True)
+        self._wrap(r, "execute", "forward")
+        self._wrap(r, "logits", "lm_head")
+        if eng.tp is not None:
+            self._wrap(eng.tp.group, "send", "send")
+        inner = eng.sampler
+        phases = self
+
+        class TimedSampler:
+            def __call__(self, *a: Any, **kw: Any) -> Any:
+                return phases._time("sampler", lambda: inner(*a, **kw))
+
+        eng.sampler = TimedSampler()  # type: ignore[assignment]
+
+    def _time(self, name: str, fn: Callable[[], Any]) -> Any:
+        if self.sync and self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        if self.sync and self.cuda:
+            torch.cuda.synchronize()
+        self.cur[name] += time.perf_counter() - t0
+        return out
+
+    def _wrap(self, obj: Any, attr: str, name: str, keep: bool = False) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            out = self._time(name, lambda: fn(*a, **kw))
+            if keep:
+                self.last_step = out
+            return out
+
+        setattr(obj, attr, timed)
+
+    def step(self) -> float:
+        self.cur = defaultdict(float)
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        self.eng.step()
+        if self.cuda:
+            torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+        self.cur["rest"] = total - sum(self.cur.values())
+        self.steps.append(dict(self.cur) | {"step": total})
+        return total
+
+
+def floor_ms(eng: LLMEngine, step: Any, n: int, cuda: bool) -> float:
+    """The prepared decode step run back to back: forward + LM head (+ the message under TP)."""
+    r = eng.runner
+    run = (lambda: r._run([], step)) if eng.tp is not None else (lambda: r.logits(r.execute(step)[0], step.sample_at))
+    run()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        run()
+    if cuda:
+        torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / n
+
+
+def decode_profile(args: argparse.Namespace, tp: int, peer: bool) -> dict[str, float]:
+    cfg = tiny_config() if args.dry else llama3_8b_config()
+    dev = "cpu" if args.dry else "cuda"
+    backend = None
+    if not args.dry:
+        from spanserve.attention.triton import TritonBackend
+        backend = TritonBackend()
+    eng = LLMEngine(RandomWeights(cfg, seed=0), device=dev, dtype="float32" if args.dry else "bfloat16",
+                    backend=backend, tensor_parallel_size=tp, tp_peer_all_reduce=peer,
+                    num_blocks=(args.context + 2 * args.steps + 64) // 16 + 64, max_num_seqs=4,
+                    max_num_batched_tokens=max(args.context, 256))
+    try:
+        ph = Phases(eng, dev == "cuda")
+        gen = torch.Generator().manual_seed(5)
+        eng.add_request(random_tokens(gen, args.context, cfg.vocab_size),
+                        SamplingParams(max_tokens=3 * args.steps + 16, ignore_eos=True, temperature=0))
+        for _ in range(8):  # prefill, then decode graphs captured
+            ph.step()
+        ph.steps.clear()
+        plain = [ph.step() for _ in range(args.steps)]
+        ph.steps.clear()
+        ph.sync = True
+        for _ in range(args.steps):
+            ph.step()
+        phases = {k: 1e3 * median([s.get(k, 0.0) for s in ph.steps]) for k in
+                  ("schedule", "prepare", "send", "forward", "lm_head", "sampler", "rest", "step")}
+        ph.sync = False
+        floor = floor_ms(eng, ph.last_step, args.steps, dev == "cuda")
+        return {"step_ms": 1e3 * median(plain), "floor_ms": floor} | {f"{k}_ms": v for k, v in phases.items()}
+    finally:
+        eng.shutdown()
+        del eng
+        gc.collect()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=50, help="graph replays per all-reduce timing")
+    ap.add_argument("--dry", action="store_true", help="CPU, gloo, tiny shape: checks the script")
+    args = ap.parse_args(argv)
+    if args.dry:
+        args.context, args.steps = 32, 4
+    out: dict[str, Any] = {"benchmark": "tp_decode", "args": vars(args)}
+    if not args.dry:
+        ar = out["allreduce"] = allreduce_latency(args)
+        print(format_table(["message (bf16)", "NCCL us/sum", "peer us/sum", "peer == NCCL"],
+                           [(k, f"{v['nccl_us']:.1f}", f"{v['peer_us']:.1f}" if "peer_us" in v else "-",
+                             v.get("peer_equals_nccl", "-")) for k, v in ar.items()]), flush=True)
+    variants = [("TP=1", 1, False), ("TP=2 NCCL", 2, False), ("TP=2 peer", 2, True)]
+    if args.dry:
+        variants = variants[:2]
+    res = out["decode_b1"] = {name: decode_profile(args, tp, peer) for name, tp, peer in variants}
+    keys = ["step", "floor", "schedule", "prepare", "send", "forward", "lm_head", "sampler", "rest"]
+    print(format_table(["ms", *res], [(k, *(f"{res[n][k + '_ms']:.3f}" for n in res)) for k in keys]))
+    base = res["TP=1"]["step_ms"]
+    print("step / TP=1: " + ", ".join(f"{n} {r['step_ms'] / base:.3f}x" for n, r in res.items()))
+    out["device"] = torch.cuda.get_device_name(0) if not args.dry else "cpu"
+    write_json("tp_decode_dry.json" if args.dry else "tp_decode.json", out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
