@@ -10,7 +10,9 @@
      (TP=2: the step message is still sent each time), one sync at the end: what the GPU work and
      the message leave;
    - phases: each part of a step behind a CUDA sync (schedule, prepare, send, forward, LM head,
-     sampler, rest), which serialises the step and so adds up to more than `step`.
+     sampler, rest), which serialises the step and so adds up to more than `step`;
+   - kernels (--kernels): the floor loop under torch.profiler on rank 0, GPU time per step by
+     kernel family, and the GPU's idle time per step (rank 0's first sum also waits for rank 1).
 
     NCCL_NVLS_ENABLE=0 python benchmarks/tp_decode.py
     python benchmarks/tp_decode.py --dry     # CPU, gloo, tiny shape: checks the script (no peer sums)
@@ -163,10 +165,15 @@ class Phases:
         return total
 
 
-def floor_ms(eng: LLMEngine, step: Any, n: int, cuda: bool) -> float:
-    """The prepared decode step run back to back: forward + LM head (+ the message under TP)."""
+def floor_run(eng: LLMEngine, step: Any) -> Callable[[], Any]:
+    """One run of the prepared decode step: forward + LM head (+ the message under TP)."""
     r = eng.runner
-    run = (lambda: r._run([], step)) if eng.tp is not None else (lambda: r.logits(r.execute(step)[0], step.sample_at))
+    return (lambda: r._run([], step)) if eng.tp is not None else (lambda: r.logits(r.execute(step)[0], step.sample_at))
+
+
+def floor_ms(eng: LLMEngine, step: Any, n: int, cuda: bool) -> float:
+    """The prepared decode step run back to back, one sync at the end."""
+    run = floor_run(eng, step)
     run()
     if cuda:
         torch.cuda.synchronize()
@@ -178,7 +185,44 @@ def floor_ms(eng: LLMEngine, step: Any, n: int, cuda: bool) -> float:
     return 1e3 * (time.perf_counter() - t0) / n
 
 
-def decode_profile(args: argparse.Namespace, tp: int, peer: bool) -> dict[str, float]:
+KERNEL_FAMILIES = [("nccl", "sum (NCCL)"), ("one_shot", "sum (peer)"), ("gemv", "GEMV"), ("gemm", "GEMM"),
+                   ("sm90", "GEMM"), ("cutlass", "GEMM"), ("attn", "attention"), ("decode", "attention"),
+                   ("combine", "attention"), ("rms", "norms"), ("rotary", "rotary"), ("silu", "silu*up"),
+                   ("write", "KV write"), ("copy", "copies"), ("elementwise", "elementwise"), ("", "other")]
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    return next(f for key, f in KERNEL_FAMILIES if key in low)
+
+
+def kernel_profile(run: Callable[[], Any], n: int) -> dict[str, Any]:
+    """GPU microseconds per step by kernel family over n runs, the busiest kernels, and idle time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    fam: dict[str, float] = defaultdict(float)
+    names: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        fam[family(e.name)] += us / n
+        names[e.name][0] += us / n
+        names[e.name][1] += 1 / n
+    busy = sum(fam.values())
+    top = sorted(names.items(), key=lambda kv: -kv[1][0])[:12]
+    return {"wall_us_per_step": 1e6 * wall / n, "busy_us_per_step": busy, "families_us": dict(fam),
+            "top_kernels": [(k[:90], round(v[0], 1), round(v[1], 1)) for k, v in top]}
+
+
+def decode_profile(args: argparse.Namespace, tp: int, peer: bool) -> dict[str, Any]:
     cfg = tiny_config() if args.dry else llama3_8b_config()
     dev = "cpu" if args.dry else "cuda"
     backend = None
@@ -206,7 +250,11 @@ def decode_profile(args: argparse.Namespace, tp: int, peer: bool) -> dict[str, f
                   ("schedule", "prepare", "send", "forward", "lm_head", "sampler", "rest", "step")}
         ph.sync = False
         floor = floor_ms(eng, ph.last_step, args.steps, dev == "cuda")
-        return {"step_ms": 1e3 * median(plain), "floor_ms": floor} | {f"{k}_ms": v for k, v in phases.items()}
+        out: dict[str, Any] = {"step_ms": 1e3 * median(plain), "floor_ms": floor}
+        out |= {f"{k}_ms": v for k, v in phases.items()}
+        if args.kernels and dev == "cuda":
+            out["kernels"] = kernel_profile(floor_run(eng, ph.last_step), 20)
+        return out
     finally:
         eng.shutdown()
         del eng
@@ -220,26 +268,38 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--reps", type=int, default=50, help="graph replays per all-reduce timing")
+    ap.add_argument("--kernels", action="store_true", help="GPU time per kernel family (torch.profiler)")
+    ap.add_argument("--skip-allreduce", action="store_true")
+    ap.add_argument("--variants", nargs="+", default=["TP=1", "TP=2 NCCL", "TP=2 peer"])
+    ap.add_argument("--out", default=None, help="JSON name under benchmarks/results (default tp_decode.json)")
     ap.add_argument("--dry", action="store_true", help="CPU, gloo, tiny shape: checks the script")
     args = ap.parse_args(argv)
     if args.dry:
         args.context, args.steps = 32, 4
     out: dict[str, Any] = {"benchmark": "tp_decode", "args": vars(args)}
-    if not args.dry:
+    if not args.dry and not args.skip_allreduce:
         ar = out["allreduce"] = allreduce_latency(args)
         print(format_table(["message (bf16)", "NCCL us/sum", "peer us/sum", "peer == NCCL"],
                            [(k, f"{v['nccl_us']:.1f}", f"{v['peer_us']:.1f}" if "peer_us" in v else "-",
                              v.get("peer_equals_nccl", "-")) for k, v in ar.items()]), flush=True)
-    variants = [("TP=1", 1, False), ("TP=2 NCCL", 2, False), ("TP=2 peer", 2, True)]
+    variants = [v for v in [("TP=1", 1, False), ("TP=2 NCCL", 2, False), ("TP=2 peer", 2, True)] if v[0] in args.variants]
     if args.dry:
-        variants = variants[:2]
+        variants = [v for v in variants if "peer" not in v[0]]
     res = out["decode_b1"] = {name: decode_profile(args, tp, peer) for name, tp, peer in variants}
     keys = ["step", "floor", "schedule", "prepare", "send", "forward", "lm_head", "sampler", "rest"]
     print(format_table(["ms", *res], [(k, *(f"{res[n][k + '_ms']:.3f}" for n in res)) for k in keys]))
     base = res["TP=1"]["step_ms"]
     print("step / TP=1: " + ", ".join(f"{n} {r['step_ms'] / base:.3f}x" for n, r in res.items()))
+    for n, r in res.items():
+        if "kernels" in r:
+            k = r["kernels"]
+            fams = sorted(k["families_us"].items(), key=lambda kv: -kv[1])
+            print(f"{n} kernels, us/step: wall {k['wall_us_per_step']:.0f}, busy {k['busy_us_per_step']:.0f}; "
+                  + ", ".join(f"{f} {us:.0f}" for f, us in fams))
+            for name, us, count in k["top_kernels"]:
+                print(f"    {us:8.1f} us {count:5.1f}x  {name}")
     out["device"] = torch.cuda.get_device_name(0) if not args.dry else "cpu"
-    write_json("tp_decode_dry.json" if args.dry else "tp_decode.json", out)
+    write_json(args.out or ("tp_decode_dry.json" if args.dry else "tp_decode.json"), out)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from spanserve.distributed.peer_reduce import PeerAllReduce
+from spanserve.model.layers import has_mm_out_dtype, mm_float32
 
 # Workers wait on the control channel for as long as the engine is idle (a server with no
 # requests): its collectives must never time out. Peer death is seen as a closed connection.
@@ -51,7 +52,7 @@ class TPGroup:
 
     def __post_init__(self) -> None:
         # Probed once, outside any CUDA graph capture (an exception there would spoil it).
-        self._native_f32 = self.float32_reduce and _has_mm_out_dtype(self.device)
+        self._native_f32 = self.float32_reduce and has_mm_out_dtype(self.device)
 
     @classmethod
     def join(cls, rank: int, world: int, port: int, device_type: str, float32_reduce: bool = False,
@@ -85,7 +86,7 @@ class TPGroup:
         """Sum over ranks of x @ weight.T (this rank's input columns)."""
         if not self.float32_reduce or x.dtype == torch.float32:
             return self.all_reduce(F.linear(x, weight))
-        part = self.all_reduce(_mm_float32(x.reshape(-1, x.shape[-1]), weight.t(), self._native_f32))
+        part = self.all_reduce(mm_float32(x.reshape(-1, x.shape[-1]), weight.t(), self._native_f32))
         return part.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -131,20 +132,6 @@ class TPGroup:
     def leave(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _has_mm_out_dtype(device: torch.device) -> bool:
-    a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
-    try:
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
-def _mm_float32(a: torch.Tensor, b: torch.Tensor, native: bool) -> torch.Tensor:
-    """a @ b with a float32 result from reduced-precision inputs: `native` (cuBLAS accumulates
-    in float32 and skips the rounding), else the rounded product in float32."""
-    return torch.mm(a, b, out_dtype=torch.float32) if native else torch.mm(a, b).float()
 
 
 def quiet_threads() -> None:

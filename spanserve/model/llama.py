@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from spanserve.attention.backend import AttentionBackend
 from spanserve.attention.plan import AttentionPlan
 from spanserve.model.config import ModelConfig
-from spanserve.model.layers import rms_norm
+from spanserve.model.layers import has_mm_out_dtype, mm_float32, rms_norm
 from spanserve.rope import Rotary, apply_rotary
 
 
@@ -129,6 +129,10 @@ class LlamaModel:
         head = weights.get("lm_head.weight")
         self.lm_head = self.embed if (config.tie_word_embeddings or head is None) else w("lm_head.weight")
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, self.device)
+        # Logits keep the LM head's float32 accumulator: rounded to bf16 they are multiples of
+        # 1/32 near the top of the vocabulary, and greedy picks between exact ties (the lower id)
+        # that the model did not make.
+        self._head_f32 = dtype != torch.float32 and has_mm_out_dtype(self.device)
 
     @torch.inference_mode()
     def forward(
@@ -195,7 +199,8 @@ class LlamaModel:
         return F.linear(x, weight) if self.group is None else self.group.row_linear(x, weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = F.linear(hidden, self.lm_head)
+        """Float32 logits [n, vocab] of hidden states [n, hidden]."""
+        out = mm_float32(hidden, self.lm_head.t(), self._head_f32) if self._head_f32 else F.linear(hidden, self.lm_head)
         if self.group is not None:
             out = self.group.gather_vocab(out, self.vocab_size)
         return out.float()
