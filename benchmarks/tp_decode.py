@@ -1,10 +1,6 @@
 """Where a tensor-parallel decode step's time goes, TP=1 against TP=2 in one run.
 
-1. All-reduce latency, two processes, in CUDA graphs of 64 sums (a decode step's count for an
-   8B model): NCCL against the peer-memory one-shot sum (`spanserve/distributed/peer_reduce.py`),
-   for [rows, hidden] messages; each peer sum is checked against NCCL's on random data first.
-2. Decode at batch 1 (random Llama-3-8B bf16, Triton, CUDA graphs) for TP=1, TP=2 with NCCL sums
-   and TP=2 with peer sums:
+Decode at batch 1 (random Llama-3-8B bf16, Triton, CUDA graphs), TP=1 and TP=2:
    - step: `LLMEngine.step` wall time, nothing added;
    - floor: the same prepared step run back to back without scheduling, sampling or bookkeeping
      (TP=2: the step message is still sent each time), one sync at the end: what the GPU work and
@@ -15,7 +11,7 @@
      kernel family, and the GPU's idle time per step (rank 0's first sum also waits for rank 1).
 
     NCCL_NVLS_ENABLE=0 python benchmarks/tp_decode.py
-    python benchmarks/tp_decode.py --dry     # CPU, gloo, tiny shape: checks the script (no peer sums)
+    python benchmarks/tp_decode.py --dry     # CPU, gloo, tiny shape: checks the script
 """
 from __future__ import annotations
 
@@ -30,81 +26,16 @@ from typing import Any, Callable
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (inherited by workers)
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from common import format_table, llama3_8b_config, median, random_tokens, write_json  # noqa: E402
 from tp_gpu import tiny_config  # noqa: E402
 
 from spanserve.distributed import RandomWeights  # noqa: E402
-from spanserve.distributed.group import TPGroup, free_port  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.sampling import SamplingParams  # noqa: E402
 
-SUMS = 64
 
-
-# ---- 1. all-reduce latency ---------------------------------------------------------------------
-def _allreduce_rank(rank: int, port: int, shapes: list[tuple[int, int]], reps: int, out: Any) -> None:
-    group = TPGroup.join(rank, 2, port, "cuda")
-    res = {}
-    for rows, hidden in shapes:
-        x = torch.randn(rows, hidden, device=group.device, dtype=torch.bfloat16)
-        row: dict[str, Any] = {}
-        fits = group.peer is not None and group.peer.fits(x)
-        if fits:
-            ref = x.clone()
-            torch.distributed.all_reduce(ref)
-            row["peer_equals_nccl"] = bool(torch.equal(group.peer(x), ref))
-        impls: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"nccl": lambda t: (torch.distributed.all_reduce(t), t)[1]}
-        if fits:
-            impls["peer"] = group.peer
-        for name, fn in impls.items():
-            y = x.clone()
-
-            def chain() -> None:
-                t = y
-                for _ in range(SUMS):
-                    t = fn(t)
-                    t.mul_(0.5)
-
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                chain()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                chain()
-            g.replay()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                g.replay()
-            torch.cuda.synchronize()
-            row[f"{name}_us"] = 1e6 * (time.perf_counter() - t0) / (reps * SUMS)
-            del g
-        res[f"{rows}x{hidden}"] = row
-    if rank == 0:
-        out.put(res)
-    torch.distributed.barrier()
-    group.leave()
-
-
-def allreduce_latency(args: argparse.Namespace) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    shapes = [(1, 4096), (8, 4096), (64, 4096), (1, 8192), (64, 8192), (512, 4096)]
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, shapes, args.reps, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    res = q.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
-    return res
-
-
-# ---- 2. decode phases ----------------------------------------------------------------------------
+# ---- decode phases ----------------------------------------------------------------------------
 class Phases:
     """Wraps the engine's parts on the instance; with `sync`, each part ends in a CUDA sync."""
 
@@ -185,7 +116,7 @@ def floor_ms(eng: LLMEngine, step: Any, n: int, cuda: bool) -> float:
     return 1e3 * (time.perf_counter() - t0) / n
 
 
-KERNEL_FAMILIES = [("nccl", "sum (NCCL)"), ("one_shot", "sum (peer)"), ("gemv", "GEMV"), ("gemm", "GEMM"),
+KERNEL_FAMILIES = [("nccl", "sums (NCCL)"), ("splitkreduce", "GEMM"), ("gemv", "GEMM"), ("gemm", "GEMM"),
                    ("sm90", "GEMM"), ("cutlass", "GEMM"), ("attn", "attention"), ("decode", "attention"),
                    ("combine", "attention"), ("rms", "norms"), ("rotary", "rotary"), ("silu", "silu*up"),
                    ("write", "KV write"), ("copy", "copies"), ("elementwise", "elementwise"), ("", "other")]
@@ -222,7 +153,7 @@ def kernel_profile(run: Callable[[], Any], n: int) -> dict[str, Any]:
             "top_kernels": [(k[:90], round(v[0], 1), round(v[1], 1)) for k, v in top]}
 
 
-def decode_profile(args: argparse.Namespace, tp: int, peer: bool) -> dict[str, Any]:
+def decode_profile(args: argparse.Namespace, tp: int) -> dict[str, Any]:
     cfg = tiny_config() if args.dry else llama3_8b_config()
     dev = "cpu" if args.dry else "cuda"
     backend = None
@@ -230,7 +161,7 @@ def decode_profile(args: argparse.Namespace, tp: int, peer: bool) -> dict[str, A
         from spanserve.attention.triton import TritonBackend
         backend = TritonBackend()
     eng = LLMEngine(RandomWeights(cfg, seed=0), device=dev, dtype="float32" if args.dry else "bfloat16",
-                    backend=backend, tensor_parallel_size=tp, tp_peer_all_reduce=peer,
+                    backend=backend, tensor_parallel_size=tp,
                     num_blocks=(args.context + 2 * args.steps + 64) // 16 + 64, max_num_seqs=4,
                     max_num_batched_tokens=max(args.context, 256))
     try:
@@ -267,25 +198,15 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=50, help="graph replays per all-reduce timing")
     ap.add_argument("--kernels", action="store_true", help="GPU time per kernel family (torch.profiler)")
-    ap.add_argument("--skip-allreduce", action="store_true")
-    ap.add_argument("--variants", nargs="+", default=["TP=1", "TP=2 NCCL", "TP=2 peer"])
     ap.add_argument("--out", default=None, help="JSON name under benchmarks/results (default tp_decode.json)")
     ap.add_argument("--dry", action="store_true", help="CPU, gloo, tiny shape: checks the script")
     args = ap.parse_args(argv)
     if args.dry:
         args.context, args.steps = 32, 4
     out: dict[str, Any] = {"benchmark": "tp_decode", "args": vars(args)}
-    if not args.dry and not args.skip_allreduce:
-        ar = out["allreduce"] = allreduce_latency(args)
-        print(format_table(["message (bf16)", "NCCL us/sum", "peer us/sum", "peer == NCCL"],
-                           [(k, f"{v['nccl_us']:.1f}", f"{v['peer_us']:.1f}" if "peer_us" in v else "-",
-                             v.get("peer_equals_nccl", "-")) for k, v in ar.items()]), flush=True)
-    variants = [v for v in [("TP=1", 1, False), ("TP=2 NCCL", 2, False), ("TP=2 peer", 2, True)] if v[0] in args.variants]
-    if args.dry:
-        variants = [v for v in variants if "peer" not in v[0]]
-    res = out["decode_b1"] = {name: decode_profile(args, tp, peer) for name, tp, peer in variants}
+    variants = [("TP=1", 1), ("TP=2", 2)]
+    res = out["decode_b1"] = {name: decode_profile(args, tp) for name, tp in variants}
     keys = ["step", "floor", "schedule", "prepare", "send", "forward", "lm_head", "sampler", "rest"]
     print(format_table(["ms", *res], [(k, *(f"{res[n][k + '_ms']:.3f}" for n in res)) for k in keys]))
     base = res["TP=1"]["step_ms"]

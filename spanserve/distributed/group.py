@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from spanserve.distributed.peer_reduce import PeerAllReduce
 from spanserve.model.layers import has_mm_out_dtype, mm_float32
 
 # Workers wait on the control channel for as long as the engine is idle (a server with no
@@ -47,16 +46,13 @@ class TPGroup:
     # rounded once, as one GPU's GEMM rounds its float32 accumulator once: bf16 TP=N then tracks
     # TP=1 closely (at twice the bytes on the wire).
     float32_reduce: bool = False
-    # Small sums (decode steps) through GPU peer memory; None: NCCL does every sum.
-    peer: PeerAllReduce | None = None
 
     def __post_init__(self) -> None:
         # Probed once, outside any CUDA graph capture (an exception there would spoil it).
         self._native_f32 = self.float32_reduce and has_mm_out_dtype(self.device)
 
     @classmethod
-    def join(cls, rank: int, world: int, port: int, device_type: str, float32_reduce: bool = False,
-             peer_reduce: bool = True) -> "TPGroup":
+    def join(cls, rank: int, world: int, port: int, device_type: str, float32_reduce: bool = False) -> "TPGroup":
         device = rank_device(device_type, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -70,15 +66,11 @@ class TPGroup:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=_IDLE_FOREVER, **kwargs)
         control = dist.new_group(backend="gloo", timeout=_IDLE_FOREVER) if backend != "gloo" else dist.group.WORLD
-        peer = PeerAllReduce.make(device, dist.group.WORLD.group_name) if peer_reduce and backend == "nccl" else None
-        return cls(rank, world, device, control, float32_reduce, peer)
+        return cls(rank, world, device, control, float32_reduce)
 
     # ---- the model's collectives ---------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks (row-parallel projections' partial outputs): in place through NCCL, or a
-        new tensor through peer memory."""
-        if self.peer is not None and self.peer.fits(x):
-            return self.peer(x)
+        """Sum over ranks, in place (row-parallel projections' partial outputs)."""
         dist.all_reduce(x)
         return x
 

@@ -31,7 +31,6 @@ class WorkerArgs:
     config: ModelConfig  # the whole model's
     source: Any  # a spanserve.distributed.weights source
     float32_reduce: bool = False
-    peer_reduce: bool = True
 
 
 @dataclass(frozen=True)
@@ -69,8 +68,7 @@ def free_memory(device: torch.device) -> int:
 
 def worker_main(args: WorkerArgs) -> None:
     quiet_threads()
-    group = TPGroup.join(args.rank, args.world, args.port, args.device_type, args.float32_reduce,
-                         args.peer_reduce)
+    group = TPGroup.join(args.rank, args.world, args.port, args.device_type, args.float32_reduce)
     try:
         model = load_shard(group, args.config, args.source, args.dtype)
         group.min_over_ranks(free_memory(group.device))
