@@ -307,3 +307,22 @@ def test_split_ways_follow_programs_and_tiles() -> None:
     assert p.ways(1, 37) == 8 and p.ways(1, 63) == 8 and p.ways(1, 64) == 16  # tiles floored to 2^k, 4 per share
     assert p.ways(1, 7) == 1 and p.ways(1, 8) == 2
     assert p.ways(1, None) == 33 and decode_split(p).ways(1, 10_000) == 33
+
+
+
+def test_tiles_sized_for_dtype_and_head_dim() -> None:
+    # float32 at head_dim 128 asked 262,144 bytes of shared memory of an H200 (232,448) with the
+    # bf16 tiles: the engine's backend halves them there, and keeps the tuned ones for 2-byte types.
+    from spanserve.attention.triton.backend import DECODE, PREFILL
+
+    b = TritonBackend(split_programs=64)
+    assert b.sized_for(torch.bfloat16, 128) is b and b.sized_for(torch.float32, 64) is b
+    f = b.sized_for(torch.float32, 128)
+    assert (f.prefill_cfg.block_m, f.prefill_cfg.block_n, f.decode_cfg.block_m, f.decode_cfg.block_n) == (64, 64, 16, 64)
+    assert f.prefill_cfg.num_stages == f.decode_cfg.num_stages == 2 and f.split_programs == 64
+    assert (b.prefill_cfg, b.decode_cfg) == (PREFILL, DECODE)
+    # the halved tiles still compute the same attention
+    rng = random.Random(11)
+    case = _case(rng, n_rows=4, plus=True)
+    _run(case, H=4, KVH=2, dtype=torch.float32, backend=TritonBackend(SMALL, SMALL).sized_for(torch.float32, 4 * D),
+         seed=11)

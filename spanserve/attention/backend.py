@@ -11,6 +11,11 @@ from spanserve.rope import Rotary
 
 
 class AttentionBackend(ABC):
+    def sized_for(self, dtype: torch.dtype, head_dim: int) -> "AttentionBackend":
+        """This backend as the engine runs it for a model of `dtype` and `head_dim` (a backend
+        with tiles in on-chip memory picks their sizes here); by default itself."""
+        return self
+
     @abstractmethod
     def prepare(self, plan: AttentionPlan, rotary: Rotary, block_size: int) -> Any:
         """Turn the step's plan into whatever the backend reuses across layers."""

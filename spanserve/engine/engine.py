@@ -118,6 +118,7 @@ class LLMEngine:
         backend = backend or ReferenceBackend()
         if isinstance(backend, str):  # a name: "triton" or "reference"
             backend = make_backend(backend)
+        backend = backend.sized_for(self.dtype, self.config.head_dim)
         if self.tp is not None:
             self.storage = self.tp.storage(num_blocks, block_size, backend, cuda_graphs)
         else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -63,6 +63,21 @@ class TritonBackend(AttentionBackend):
         self.prerotate_prefill = prerotate_prefill
         self.split_programs = split_programs
         self.dense_prefill = dense_prefill
+
+    def sized_for(self, dtype: torch.dtype, head_dim: int) -> "TritonBackend":
+        """The tiles above are tuned for 2-byte types at head_dim 128. Wider rows (float32 at 128:
+        Q, K, V and the score tile of a 128x128 prefill program took 256 KiB of shared memory on an
+        H200, over its 227) cut block_m and block_n by the factor and keep 2 pipeline stages."""
+        scale = (torch.finfo(dtype).bits // 8) * head_dim // 256
+        if scale <= 1:
+            return self
+
+        def shrink(c: LaunchConfig) -> LaunchConfig:
+            return replace(c, block_m=max(16, c.block_m // scale), block_n=max(16, c.block_n // scale),
+                           num_stages=min(c.num_stages, 2))
+
+        return TritonBackend(shrink(self.prefill_cfg), shrink(self.decode_cfg), self.prerotate_prefill,
+                             self.split_programs, self.dense_prefill)
 
     def prepare(self, plan: AttentionPlan, rotary: Rotary, block_size: int) -> StepLayout:
         return build_layout(plan, rotary.inv_freq)
