@@ -83,3 +83,19 @@ def test_selective_recompute_decides_the_same(pair, policy):
     assert outs2[0].token_ids == outs1[0].token_ids
     lay3 = [lay[0], lay[1], lay[2], Segment(token_ids=_toks(6, 12))]
     _same_logits(pair, [lay3], policy=policy)
+
+
+def test_prompt_logprobs_match(pair):
+    """Prompt logprobs need the LM head over every prompt position: under TP its vocabulary gather
+    is a collective, so the workers must join each scoring call (this hung before they did)."""
+    one, two = pair
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=3)
+    prompt = _toks(150, 9)  # three prefill chunks of 64: three steps scored
+    (a,), (b,) = one.generate(prompt, params), two.generate(prompt, params)
+    assert a.prompt_logprobs[0] is None and b.prompt_logprobs[0] is None
+    assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(prompt)
+    for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+        assert (x.token_id, x.rank) == (y.token_id, y.rank)
+        assert abs(x.logprob - y.logprob) < 1e-4
+        assert sorted(x.top.values()) == pytest.approx(sorted(y.top.values()), abs=1e-4)
+    assert a.token_ids == b.token_ids

@@ -23,7 +23,7 @@ from spanserve.distributed.block_transfer import TPStorage
 from spanserve.distributed.fingerprint import whole_model_fingerprint
 from spanserve.distributed.group import TPGroup, free_port
 from spanserve.distributed.shard import check_divisible
-from spanserve.distributed.step import StepMessage, pack
+from spanserve.distributed.step import ScoreRows, StepMessage, pack
 from spanserve.distributed.storage_log import RecordingStorage
 from spanserve.distributed.weights import source_of
 from spanserve.distributed.worker import EngineInit, WorkerArgs, free_memory, load_shard, worker_main
@@ -204,3 +204,12 @@ class TPRunner(ModelRunner):
         for (i, _, _), r in zip(step.recompute, rows):
             chunks[i].request.recompute_stats = r.stats
         return logits, picks, hidden
+
+    def logits_at(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        assert isinstance(self.storage, RecordingStorage)
+        with self.driver.collective():
+            self.driver.group.send(ScoreRows(self.storage.drain(), rows))
+            logits = super().logits_at(hidden, rows)
+            if logits.is_cuda:
+                torch.cuda.current_stream().synchronize()
+        return logits

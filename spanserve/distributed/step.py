@@ -47,6 +47,15 @@ class StepMessage:
     step: StepInput | None  # None: the engine is shutting down
 
 
+@dataclass
+class ScoreRows:
+    """Workers: the LM head over these rows of the last step's hidden states (prompt logprobs:
+    its vocabulary gather is a collective every rank joins)."""
+
+    ops: list[Op]
+    rows: list[int]
+
+
 def _pack_opt(a: np.ndarray | None, step: int) -> Runs | None:
     return None if a is None else Runs.of(a, step)
 

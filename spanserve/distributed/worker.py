@@ -12,7 +12,7 @@ from spanserve.cache.storage import KVStorage
 from spanserve.distributed.block_transfer import BlockTransfer, serve_transfer
 from spanserve.distributed.group import TPGroup, quiet_threads
 from spanserve.distributed.shard import ShardPlan
-from spanserve.distributed.step import StepMessage, unpack
+from spanserve.distributed.step import ScoreRows, StepMessage, unpack
 from spanserve.distributed.storage_log import replay
 from spanserve.engine.runner import ModelRunner
 from spanserve.model.config import ModelConfig
@@ -84,11 +84,15 @@ def worker_main(args: WorkerArgs) -> None:
 
 
 def serve(group: TPGroup, runner: ModelRunner, storage: KVStorage) -> None:
+    hidden = None  # the last step's, for ScoreRows
     while True:
         msg: StepMessage = group.recv()
         replay(storage, msg.ops, runner.model.rotary)
         if isinstance(msg, BlockTransfer):  # a tier's capture or load, between steps
             serve_transfer(storage, msg)
+            continue
+        if isinstance(msg, ScoreRows):
+            runner.logits_at(hidden, msg.rows)
             continue
         if msg.step is None:
             return

@@ -265,7 +265,7 @@ class LLMEngine:
             return []
         if any(wants_prompt_logprobs(c) for c in sched.chunks):
             logits, rows, hidden = self.runner.run_keep_hidden(sched.chunks)
-            record_prompt_logprobs(self.model.logits, sched.chunks, hidden)
+            record_prompt_logprobs(functools.partial(self.runner.logits_at, hidden), sched.chunks)
         else:
             logits, rows = self.runner.run(sched.chunks)
         sampled = [(c.request, r) for c, r in zip(sched.chunks, rows) if r >= 0]

@@ -22,12 +22,13 @@ def wants_prompt_logprobs(chunk: Any) -> bool:
     return chunk.task.main and chunk.request.params.prompt_logprobs is not None
 
 
-def score_positions(logits_of: Any, hidden: torch.Tensor, targets: Sequence[int], n_top: int) -> list[TokenLogprobs]:
-    """For hidden states [N, H] and the token each one predicts, the target's logprob and rank
-    and the top n_top alternatives; logits_of maps hidden rows to float32 logits."""
+def score_positions(logits_at: Any, rows: Sequence[int], targets: Sequence[int], n_top: int) -> list[TokenLogprobs]:
+    """For rows of the step's flat batch and the token each one predicts, the target's logprob and
+    rank and the top n_top alternatives; logits_at maps a list of rows to their float32 logits (a
+    runner's `logits_at`: under tensor parallelism every rank takes part, slice by slice)."""
     out: list[TokenLogprobs] = []
     for lo in range(0, len(targets), SLICE_ROWS):
-        lp = torch.log_softmax(logits_of(hidden[lo:lo + SLICE_ROWS]).float(), dim=-1)
+        lp = torch.log_softmax(logits_at(list(rows[lo:lo + SLICE_ROWS])).float(), dim=-1)
         tgt = torch.tensor(targets[lo:lo + SLICE_ROWS], dtype=torch.long, device=lp.device)
         chosen = lp.gather(1, tgt[:, None])
         # rank 1 = the most likely token; ties count in the target's favour
@@ -43,8 +44,9 @@ def score_positions(logits_of: Any, hidden: torch.Tensor, targets: Sequence[int]
     return out
 
 
-def record_prompt_logprobs(logits_of: Any, chunks: Sequence[Any], hidden: torch.Tensor) -> None:
-    """Fill request.prompt_logprobs from a step's flat hidden states (chunks in batch order)."""
+def record_prompt_logprobs(logits_at: Any, chunks: Sequence[Any]) -> None:
+    """Fill request.prompt_logprobs from the step just run (chunks in batch order; logits_at maps
+    rows of its flat batch to logits)."""
     start = 0
     for c in chunks:
         n = len(c.positions)
@@ -57,9 +59,8 @@ def record_prompt_logprobs(logits_of: Any, chunks: Sequence[Any], hidden: torch.
             # recomputing its output) score generated tokens, which the sampler reports
             keep = [k for k, p in enumerate(c.positions) if p + 1 < prompt_len]
             if keep:
-                rows = torch.tensor([start + k for k in keep], dtype=torch.long, device=hidden.device)
                 targets = [req.prompt_token_ids[c.positions[k] + 1] for k in keep]
-                scored = score_positions(logits_of, hidden[rows], targets, req.params.prompt_logprobs)
+                scored = score_positions(logits_at, [start + k for k in keep], targets, req.params.prompt_logprobs)
                 for k, entry in zip(keep, scored):
                     req.prompt_logprobs[c.positions[k] + 1] = entry
         start += n

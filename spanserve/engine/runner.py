@@ -208,6 +208,10 @@ class ModelRunner:
         logits, picks = self.logits(hidden, step.sample_at)
         return logits, picks, hidden
 
+    def logits_at(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Float32 logits of the given rows of a step's hidden states (prompt logprobs)."""
+        return self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
+
     def logits(self, hidden: torch.Tensor, sample_at: list[int]) -> tuple[torch.Tensor, list[int]]:
         picks = [i for i in sample_at if i >= 0]
         if not picks or picks[-1] - picks[0] == len(picks) - 1:  # consecutive (every decode row): a view
