@@ -12,10 +12,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def has_mm_out_dtype(device: torch.device) -> bool:
-    """Whether torch.mm takes out_dtype=float32 for bf16 operands here (cuBLAS does; probed once,
-    outside any CUDA graph capture, where an exception would spoil the capture)."""
-    a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+def has_mm_out_dtype(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether torch.mm takes out_dtype=float32 for `dtype` operands here (cuBLAS does; probed
+    once, outside any CUDA graph capture, where an exception would spoil the capture)."""
+    a = torch.ones(2, 2, dtype=dtype, device=device)
     try:
         return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
     except (RuntimeError, TypeError, NotImplementedError):

@@ -132,7 +132,7 @@ class LlamaModel:
         # Logits keep the LM head's float32 accumulator: rounded to bf16 they are multiples of
         # 1/32 near the top of the vocabulary, and greedy picks between exact ties (the lower id)
         # that the model did not make.
-        self._head_f32 = dtype != torch.float32 and has_mm_out_dtype(self.device)
+        self._head_f32 = dtype != torch.float32 and has_mm_out_dtype(self.device, dtype)
 
     @torch.inference_mode()
     def forward(
@@ -200,7 +200,7 @@ class LlamaModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [n, vocab] of hidden states [n, hidden]."""
-        out = mm_float32(hidden, self.lm_head.t(), self._head_f32) if self._head_f32 else F.linear(hidden, self.lm_head)
+        out = mm_float32(hidden, self.lm_head.t(), self._head_f32)
         if self.group is not None:
             out = self.group.gather_vocab(out, self.vocab_size)
         return out.float()
