@@ -326,3 +326,14 @@ def test_tiles_sized_for_dtype_and_head_dim() -> None:
     case = _case(rng, n_rows=4, plus=True)
     _run(case, H=4, KVH=2, dtype=torch.float32, backend=TritonBackend(SMALL, SMALL).sized_for(torch.float32, 4 * D),
          seed=11)
+
+
+def test_engine_runs_the_backend_sized_for_its_model() -> None:
+    from spanserve.distributed import RandomWeights
+    from spanserve.engine.engine import LLMEngine
+    from spanserve.model.config import ModelConfig
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=256, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=128, max_position_embeddings=256)
+    eng = LLMEngine(RandomWeights(cfg, seed=0), dtype="float32", num_blocks=8, backend=TritonBackend())
+    assert (eng.runner.backend.prefill_cfg.block_m, eng.runner.backend.decode_cfg.block_n) == (64, 64)
