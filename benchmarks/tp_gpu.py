@@ -64,6 +64,9 @@ class Run:
         if self.dev != "cuda":
             return None  # the reference backend (Triton's CPU interpreter is too slow for a dry run)
         from spanserve.attention.triton import TritonBackend
+        if split_scale == 1:
+            return TritonBackend()
+        # the backend's default target is two programs per SM (TritonBackend.split_programs=None)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         return TritonBackend(split_programs=2 * sms * split_scale)
 
