@@ -193,17 +193,21 @@ class TPRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.driver = driver
 
-    def _run(self, chunks: list[Any], step: Any) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    def _run(self, chunks: list[Any], step: Any, wait: bool = True) -> tuple[torch.Tensor, list[int], torch.Tensor]:
         assert isinstance(self.storage, RecordingStorage)
         with self.driver.collective():
             self.driver.group.send(StepMessage(self.storage.drain(), pack(step)))
             hidden, rows = self.execute(step)
             logits, picks = self.logits(hidden, step.sample_at)
-            if logits.is_cuda:  # NCCL fails by never finishing: wait here, where a death is noticed
+            if wait and logits.is_cuda:  # NCCL fails by never finishing: wait here, where a death is noticed
                 torch.cuda.current_stream().synchronize()
         for (i, _, _), r in zip(step.recompute, rows):
             chunks[i].request.recompute_stats = r.stats
         return logits, picks, hidden
+
+    def fetch(self, tokens: Any) -> list[int]:
+        with self.driver.collective():  # the wait a chained step left for later
+            return super().fetch(tokens)
 
     def logits_at(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         assert isinstance(self.storage, RecordingStorage)

@@ -89,6 +89,11 @@ class TPGroup:
         dist.all_gather(parts, logits.contiguous())
         return torch.cat(parts, dim=-1)[:, :vocab_size]
 
+    def broadcast_ids(self, ids: torch.Tensor) -> None:
+        """The driver's picked token ids into every rank's input buffer, in place, on the device:
+        a decode step chained on the last one's picks needs no word from the host."""
+        dist.broadcast(ids, 0)
+
     # ---- the control channel ------------------------------------------------------------------
     def send(self, obj: Any) -> None:
         """Driver: one message to every worker. Messages up to _HEAD bytes (a step's host data

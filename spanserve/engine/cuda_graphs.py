@@ -42,9 +42,10 @@ class DecodeGraphs:
         self.replays = 0  # steps served by a graph (or the fixed-buffer path)
         self.capacity = 1 << 14  # initial keys per batch size's buffers (they grow by doubling)
 
-    def run(self, rows: DecodeRows) -> torch.Tensor:
+    def run(self, rows: DecodeRows, feed: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Hidden states [B, hidden] of a decode-only step of 1..max_batch rows (the runner's
-        `attention.paths.step_path` sends only those here)."""
+        `attention.paths.step_path` sends only those here). `feed` fills the input ids buffer on the
+        device after the host arrays land (a step chained on the previous one's picks)."""
         B = len(rows)
         buf = self.buffers.get(B)
         if buf is None:
@@ -56,6 +57,8 @@ class DecodeGraphs:
             buf.plan = self._plan(buf.static)
             for key in [k for k in self.graphs if k[0] == B]:
                 del self.graphs[key]
+        if feed is not None:
+            feed(buf.static.ids)
         self.replays += 1
         if not self.capture:
             out = self._forward(buf, buf.plan, lay)

@@ -5,11 +5,12 @@ import functools
 import itertools
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from spanserve.attention.backend import AttentionBackend
+from spanserve.attention.paths import StepPath
 from spanserve.attention.reference import ReferenceBackend
 from spanserve.cache.block_pool import BlockPool
 from spanserve.cache.manager import CacheManager
@@ -21,12 +22,13 @@ from spanserve.engine.layout import Segment, checked_many, checked_tokens, resol
 from spanserve.engine.layout import sink_prefix as layout_sink_prefix
 from spanserve.engine.detokenize import IncrementalText, make_decoder
 from spanserve.engine.outputs import RequestOutput, find_stop
+from spanserve.engine.overlap import HostTokens, Pending, chains, may_continue
 from spanserve.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from spanserve.engine.request import Request, Status
-from spanserve.engine.runner import ModelRunner
+from spanserve.engine.runner import ModelRunner, StepInput
 from spanserve.engine.runtime import make_backend
 from spanserve.engine.sampling import Sampler, SamplingParams, make_generator
-from spanserve.engine.scheduler import Scheduler
+from spanserve.engine.scheduler import Chunk, Schedule, Scheduler
 from spanserve.engine.step_stats import DecodeStepStats
 from spanserve.engine.structured import Grammars, parse_response_format
 from spanserve.model.llama import LlamaModel
@@ -67,6 +69,7 @@ class LLMEngine:
         tp_on_failure: str = "raise",
         tp_float32_reduce: bool = False,
         fused_ops: bool | None = None,
+        overlap: bool | None = None,
         kv_offload: "OffloadConfig | dict | None" = None,
         sink_prefix: "Sequence[int] | None" = None,
     ):
@@ -139,6 +142,11 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model, self.storage, backend, cuda_graphs)
         self.sampler = Sampler()
+        # overlap: decode steps chained on the device (engine/overlap.py); None = with CUDA graphs
+        self.overlap = self.runner.graphs is not None and (overlap is None and self.runner.graphs.capture or bool(overlap))
+        self._pending: Pending | None = None
+        self.chained_steps = 0
+        self._settled_at = 0.0
         self.grammars = Grammars(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self._decode = make_decoder(self.tokenizer)
         limit = min(self.config.max_position_embeddings, num_blocks * block_size)
@@ -237,16 +245,20 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        if req.token_in_flight:  # its pick is dropped: the row ends at the last token it has
+            self._unplace(req)
         req.finish_reason = "abort"
         self.scheduler.finish(req)
         self.grammars.close(request_id)
         return self._output(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._pending is not None
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._pending is not None:
+            return self._step_chained(self._pending)
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.counters["preemptions"] += len(sched.preempted)
@@ -263,20 +275,33 @@ class LLMEngine:
                 return [self._finish_output(req)]
             self.scheduler.wait_for_loads()  # only requests waiting on tier loads: sleep, not spin
             return []
+        return self._compute(sched, t0)
+
+    def _compute(self, sched: Schedule, t0: float) -> list[RequestOutput]:
         if any(wants_prompt_logprobs(c) for c in sched.chunks):
             logits, rows, hidden = self.runner.run_keep_hidden(sched.chunks)
             record_prompt_logprobs(functools.partial(self.runner.logits_at, hidden), sched.chunks)
         else:
-            logits, rows = self.runner.run(sched.chunks)
+            prepared = self.runner.prepare(sched.chunks)
+            if self._chainable(sched.chunks, prepared):
+                logits, rows = self.runner.run(sched.chunks, prepared)
+                return self._launch(sched.chunks, logits, rows, t0)
+            logits, rows = self.runner.run(sched.chunks, prepared)
         sampled = [(c.request, r) for c, r in zip(sched.chunks, rows) if r >= 0]
         mask = self.grammars.mask([q.request_id for q, _ in sampled], logits.device)
         tokens, logprobs = self.sampler(logits, [q.params for q, _ in sampled], [q.generator for q, _ in sampled],
                                         mask=mask, histories=[(q.prompt_token_ids, q.output_token_ids) for q, _ in sampled])
-        touched = {id(c.request): c.request for c in sched.chunks}
         for (req, _), tok, lp in zip(sampled, tokens, logprobs):
             self._append(req, tok, lp)
+        outputs = self._outputs({id(c.request): c.request for c in sched.chunks}.values())
+        if all(len(c.positions) == 1 and c.recompute is None for c in sched.chunks):
+            self.decode_stats.record(len(sched.chunks), sum(c.positions[0] + 1 for c in sched.chunks),
+                                     time.perf_counter() - t0)
+        return outputs
+
+    def _outputs(self, touched: "Iterable[Request]") -> list[RequestOutput]:
         outputs = []
-        for req in touched.values():
+        for req in touched:
             if req.encode_only and not any(t.todo for t in req.tasks):
                 self._pin(req)
             if req.finished:
@@ -284,10 +309,76 @@ class LLMEngine:
                 continue
             self.manager.publish(req.kv)
             outputs.append(self._output(req))
-        if all(len(c.positions) == 1 and c.recompute is None for c in sched.chunks):
-            self.decode_stats.record(len(sched.chunks), sum(c.positions[0] + 1 for c in sched.chunks),
-                                     time.perf_counter() - t0)
         return outputs
+
+    # ---- decode steps chained on the device (engine/overlap.py) ------------------------------
+    def _chainable(self, chunks: list[Chunk], prepared: StepInput) -> bool:
+        return (self.overlap and prepared.path is StepPath.DECODE_GRAPH and all(i >= 0 for i in prepared.sample_at)
+                and all(chains(c.request, c.request.request_id in self.grammars) for c in chunks)
+                and any(may_continue(c.request, self.max_model_len) for c in chunks))
+
+    def _launch(self, chunks: list[Chunk], logits: torch.Tensor, rows: list[int], t0: float,
+                settle: Pending | None = None) -> list[RequestOutput]:
+        """Picks this step's tokens on the device, settles the step before it (if any) while this
+        one runs, then gives every request that goes on a placeholder for its pick."""
+        sampled = [(c.request, r) for c, r in zip(chunks, rows)]
+        picks = self.sampler.pick(logits, [q.params for q, _ in sampled], [q.generator for q, _ in sampled])
+        pending = Pending(sampled, HostTokens(picks), t0, sum(c.positions[0] + 1 for c in chunks))
+        outputs = self._settle(settle) if settle is not None else []
+        for req, _ in sampled:
+            if not req.finished and may_continue(req, self.max_model_len):
+                main = req.main
+                main.tokens.append(0)
+                main.todo.append(len(main.tokens) - 1)
+                req.token_in_flight = True
+        self._pending = pending
+        return outputs
+
+    def _can_chain(self) -> bool:
+        """The next step is exactly the placeholders' decode rows: nothing waits to be admitted,
+        every running request with work has a placeholder, and no one can be preempted (each
+        needs one block at most)."""
+        running = self.scheduler.running
+        return (not self.scheduler.waiting and self.pool.num_free >= len(running)
+                and any(r.token_in_flight for r in running)
+                and all(r.token_in_flight or not any(t.todo for t in r.tasks) for r in running))
+
+    def _step_chained(self, pending: Pending) -> list[RequestOutput]:
+        self._pending = None
+        if not self._can_chain():
+            return self._settle(pending)
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        chunks = sched.chunks
+        prepared = self.runner.prepare(chunks) if chunks else None
+        if (prepared is None or sched.preempted or prepared.path is not StepPath.DECODE_GRAPH
+                or not all(c.request.token_in_flight and i >= 0 for c, i in zip(chunks, prepared.sample_at))):
+            outputs = self._settle(pending)  # not one chained step after all: the host goes first
+            sched.chunks = [c for c in chunks if not c.request.finished]
+            return outputs + (self._compute(sched, t0) if sched.chunks else [])
+        prepared.chained = True
+        self.chained_steps += 1
+        ids = pending.picks.rows(pending.index_of([c.request for c in chunks]))
+        logits, rows = self.runner.run_chained(chunks, prepared, ids)
+        return self._launch(chunks, logits, rows, t0, settle=pending)
+
+    def _settle(self, pending: Pending) -> list[RequestOutput]:
+        """The host takes in a chained step's picks: each becomes its request's token."""
+        tokens = self.runner.fetch(pending.picks)
+        live = [(req, tokens[i]) for req, i in pending.sampled if not req.finished]  # aborted meanwhile
+        for req, tok in live:
+            self._append(req, tok, None)
+        now = time.perf_counter()
+        self.decode_stats.record(len(pending.sampled), pending.keys, now - max(pending.started, self._settled_at))
+        self._settled_at = now
+        return self._outputs(req for req, _ in live)
+
+    def _unplace(self, req: Request) -> None:
+        main = req.main
+        main.tokens.pop()
+        if main.todo and main.todo[-1] == len(main.tokens):
+            main.todo.pop()
+        req.token_in_flight = False
 
     def _append(self, req: Request, tok: int, lp: Any) -> None:
         if req.first_token_time is None:
@@ -297,8 +388,12 @@ class LLMEngine:
         req.output_token_ids.append(tok)
         req.logprobs.append(lp)
         main = req.main
-        main.tokens.append(tok)
-        main.todo.append(len(main.tokens) - 1)
+        if req.token_in_flight:  # the placeholder's place (and its todo entry, if not yet computed)
+            main.tokens[-1] = tok
+            req.token_in_flight = False
+        else:
+            main.tokens.append(tok)
+            main.todo.append(len(main.tokens) - 1)
         self.counters["generation_tokens"] += 1
         p = req.params
         prev_len = len(req.text)

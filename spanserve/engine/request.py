@@ -47,6 +47,8 @@ class Request:
     # how the prompt was first served (a resumed request keeps reporting its first admission)
     reuse: dict[str, int] = field(default_factory=lambda: {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0})
     num_preemptions: int = 0
+    # its main task ends in a placeholder for a token still on the device (engine/overlap.py)
+    token_in_flight: bool = False
 
     def admission(self) -> Admission:
         """The request as the cache manager admits it."""

@@ -14,6 +14,7 @@ from spanserve.attention.paths import GraphLimits, StepPath, StepShape, step_pat
 from spanserve.attention.plan import AttentionPlan, HostRow, Row
 from spanserve.cache.storage import KVStorage
 from spanserve.engine.cuda_graphs import DecodeGraphs, StepGraphs
+from spanserve.engine.overlap import HostTokens
 from spanserve.engine.scheduler import Chunk
 from spanserve.model.llama import LlamaModel
 from spanserve.reuse.recompute import Recompute, RecomputeRow, RecomputeSpec
@@ -98,6 +99,9 @@ class StepInput:
     decode: DecodeRows | None = None
     host: HostPlan | None = None
     recompute: list[tuple[int, RecomputeSpec, list[bool]]] = field(default_factory=list)
+    # A decode step chained on the device: its input ids are the tokens the driver picked last
+    # step, still on the device (the host has not seen them), broadcast to every rank under TP.
+    chained: bool = False
 
 
 class ModelRunner:
@@ -176,7 +180,7 @@ class ModelRunner:
         """Hidden states of the step's tokens, and its selective rows (with their stats)."""
         if step.path is StepPath.DECODE_GRAPH:
             assert self.graphs is not None and step.decode is not None
-            return self.graphs.run(step.decode), []
+            return self.graphs.run(step.decode, self._feed_ids if step.chained else None), []
         hp = step.host
         assert hp is not None
         if step.path is StepPath.STEP_GRAPH:
@@ -189,9 +193,10 @@ class ModelRunner:
         return self.model.forward(ids, plan, self.backend, self.k_caches, self.v_caches, hooks), rows
 
     @torch.inference_mode()
-    def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[int]]:
-        """Logits [n_sampled, vocab] (float32) and, per chunk, its row in them or -1."""
-        logits, picks, _ = self._run(chunks, self.prepare(chunks))
+    def run(self, chunks: list[Chunk], step: "StepInput | None" = None) -> tuple[torch.Tensor, list[int]]:
+        """Logits [n_sampled, vocab] (float32) and, per chunk, its row in them or -1. `step`: the
+        chunks already prepared."""
+        logits, picks, _ = self._run(chunks, step if step is not None else self.prepare(chunks))
         return logits, picks
 
     @torch.inference_mode()
@@ -200,8 +205,32 @@ class ModelRunner:
         prompt logprobs: always the eager path, whose hidden states cover every position)."""
         return self._run(chunks, self.prepare(chunks, eager=True))
 
-    def _run(self, chunks: list[Chunk], step: "StepInput") -> tuple[torch.Tensor, list[int], torch.Tensor]:
-        """Executes a prepared step (tensor parallelism overrides this to run it on every rank)."""
+    def run_chained(self, chunks: list[Chunk], step: "StepInput", ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Runs a prepared decode step (`step.chained`) whose input ids are `ids` on the device, one
+        per chunk in order, and returns its logits without waiting for the device."""
+        assert step.chained and step.path is StepPath.DECODE_GRAPH
+        self._chain_ids = ids
+        try:
+            logits, picks, _ = self._run(chunks, step, wait=False)
+        finally:
+            self._chain_ids = None
+        return logits, picks
+
+    def _feed_ids(self, buffer: torch.Tensor) -> None:
+        """A chained step's input ids into the decode buffer, after the host arrays' copy."""
+        ids = getattr(self, "_chain_ids", None)
+        if ids is not None:  # the driver (workers have none: the broadcast brings them)
+            buffer.copy_(ids)
+        if self.model.group is not None:
+            self.model.group.broadcast_ids(buffer)
+
+    def fetch(self, tokens: HostTokens) -> list[int]:
+        """The host's copy of tokens picked on the device (waits for them)."""
+        return tokens.get()
+
+    def _run(self, chunks: list[Chunk], step: "StepInput", wait: bool = True) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """Executes a prepared step (tensor parallelism overrides this to run it on every rank).
+        wait=False: the caller waits on the device later, through `fetch`."""
         hidden, rows = self.execute(step)
         for (i, _, _), r in zip(step.recompute, rows):
             chunks[i].request.recompute_stats = r.stats

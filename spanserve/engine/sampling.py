@@ -290,6 +290,21 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """mask: tokens a structured-output row may pick, applied before every filter and the argmax;
         histories: each row's (prompt, generated) token ids, for penalties; None = all empty."""
+        picked = self.pick(logits, params, generators, mask=mask, histories=histories)
+        tokens = picked.tolist()
+        return tokens, self._logprobs(logits.to(torch.float32), params, tokens)
+
+    def pick(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        *,
+        mask: TokenMask | None = None,
+        histories: Histories | None = None,
+    ) -> torch.Tensor:
+        """The picked token ids [B] (int64) on the logits' device, without waiting for them: a
+        decode step chained on the device feeds them to the next step's input."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         batch = logits.shape[0]
@@ -298,39 +313,28 @@ class Sampler:
                 f"got {batch} logits rows, {len(params)} params and "
                 f"{len(generators)} generators; pass one of each per row"
             )
-        raw = logits = logits.to(torch.float32)
-        logits = apply_penalties(logits, params, histories)
+        logits = apply_penalties(logits.to(torch.float32), params, histories)
         if mask is not None:
             logits = mask.applied(logits)
-        tokens = [0] * batch
-
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        if greedy_rows and len(greedy_rows) == batch:
+        if len(greedy_rows) == batch:
             # the whole batch: indexing by a list of rows would copy that list to the device
-            tokens = logits.argmax(dim=-1).tolist()
-        elif greedy_rows:
-            picked = logits[greedy_rows].argmax(dim=-1).tolist()
-            for i, t in zip(greedy_rows, picked):
-                tokens[i] = t
-
+            return logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled_rows:
-            picked = self._sample(
-                logits if len(sampled_rows) == batch else logits[sampled_rows],
-                [params[i] for i in sampled_rows],
-                [generators[i] for i in sampled_rows],
-            )
-            for i, t in zip(sampled_rows, picked):
-                tokens[i] = t
-
-        return tokens, self._logprobs(raw, params, tokens)
+        if len(sampled_rows) == batch:
+            return self._sample(logits, params, generators)
+        tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
+        tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+        tokens[sampled_rows] = self._sample(logits[sampled_rows], [params[i] for i in sampled_rows],
+                                            [generators[i] for i in sampled_rows])
+        return tokens
 
     @staticmethod
     def _sample(
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-    ) -> list[int]:
+    ) -> torch.Tensor:
         probs = _filter_probs(logits, params)
         # Exponential race: argmax(p / q) with q ~ Exp(1) picks token i with
         # probability p_i. Uniforms are drawn in float64 because torch's float32
@@ -343,7 +347,7 @@ class Sampler:
         # q can be 0 (score inf) or inf (score 0, like a filtered-out token);
         # pushing filtered tokens below 0 guarantees a kept one always wins.
         scores.masked_fill_(probs == 0.0, -1.0)
-        return scores.argmax(dim=-1).tolist()
+        return scores.argmax(dim=-1)
 
     @staticmethod
     def _logprobs(

@@ -82,6 +82,8 @@ class Collectives(Protocol):
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor: ...
 
+    def broadcast_ids(self, ids: torch.Tensor) -> None: ...
+
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
