@@ -1,6 +1,7 @@
 """Where a tensor-parallel decode step's time goes, TP=1 against TP=2 in one run.
 
-Decode at batch 1 (random Llama-3-8B bf16, Triton, CUDA graphs), TP=1 and TP=2:
+Decode at batch 1 (random Llama-3-8B bf16, Triton, CUDA graphs), TP=1 and TP=2, each step taken
+on its own (no chaining on the device: the phases below are what chaining hides):
    - step: `LLMEngine.step` wall time, nothing added;
    - floor: the same prepared step run back to back without scheduling, sampling or bookkeeping
      (TP=2: the step message is still sent each time), one sync at the end: what the GPU work and
@@ -161,7 +162,7 @@ def decode_profile(args: argparse.Namespace, tp: int) -> dict[str, Any]:
         from spanserve.attention.triton import TritonBackend
         backend = TritonBackend()
     eng = LLMEngine(RandomWeights(cfg, seed=0), device=dev, dtype="float32" if args.dry else "bfloat16",
-                    backend=backend, tensor_parallel_size=tp,
+                    backend=backend, tensor_parallel_size=tp, overlap=False,
                     num_blocks=(args.context + 2 * args.steps + 64) // 16 + 64, max_num_seqs=4,
                     max_num_batched_tokens=max(args.context, 256))
     try:
