@@ -89,7 +89,7 @@ class OldRoute:
         self.eng, self.forward = eng, forward
         self.bufs: dict[int, dict[str, torch.Tensor]] = {}
 
-    def run(self, chunks: list) -> tuple[torch.Tensor, list[int]]:
+    def run(self, chunks: list, *_: Any) -> tuple[torch.Tensor, list[int]]:
         r = self.eng.runner
         ids, plan, sample_at = build_plan(chunks, r.storage.block_size, r.model.device)
         c = r.model.config
@@ -184,8 +184,8 @@ def build(device: str, batch: int, ctx: int, spans: int, mode: str, clock: Clock
         run = eng.runner.run
     timed_run = clock.wrap("run", run)
 
-    def runner(chunks: list) -> Any:
-        out = timed_run(chunks)
+    def runner(chunks: list, *prepared: Any) -> Any:
+        out = timed_run(chunks, *prepared)
         clock.t["logits"] += time.perf_counter() - clock.mark
         return out
 

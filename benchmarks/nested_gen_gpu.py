@@ -112,9 +112,9 @@ def trace_phases(llm: LLM, profile: bool = False) -> dict:
         events["admit"][req.request_id] = (t0, time.monotonic())
         return ok
 
-    def run_(chunks):
+    def run_(chunks, *prepared):
         t0 = time.monotonic()
-        out = run(chunks)
+        out = run(chunks, *prepared)
         sync()
         events["run"].append((t0, time.monotonic(), sum(len(c.positions) for c in chunks),
                               {c.request.request_id for c in chunks}))

@@ -96,9 +96,10 @@ class Run:
             eng.step()
 
     # ---- measurements ------------------------------------------------------------------------
-    def greedy(self, eng: LLMEngine, vocab: int) -> tuple[list[list[int]], list[list[float]]]:
+    def greedy(self, eng: LLMEngine, vocab: int) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
         """Greedy tokens of span layouts (cold, then the same documents at other positions) and,
-        at each, the logprob gap between the chosen token and the runner-up."""
+        at each, the logprob gap between the chosen token and the runner-up; then the same layouts
+        again in a fresh namespace without logprobs (so decode steps chain on the device)."""
         gen = torch.Generator().manual_seed(7)
         t = lambda n: random_tokens(gen, n, vocab)  # noqa: E731
         docs = [t(n) for n in (300, 211, 157)]
@@ -106,13 +107,18 @@ class Run:
         lays = [[Segment(token_ids=sys_)] + [Segment(token_ids=docs[i], kind="plus") for i in order]
                 + [Segment(token_ids=q)] for order, q in zip(([0, 1, 2], [2, 0, 1], [1, 2]), qs)]
         params = SamplingParams(max_tokens=self.args.greedy_tokens, temperature=0, ignore_eos=True, logprobs=2)
-        out, gaps = [], []
+        out, gaps, chained = [], [], []
         for lay in lays:  # one at a time: the later ones read the first one's cached documents
             req = eng.add_request(lay, params)
             self.drain(eng)
             out.append(list(req.output_token_ids))
             gaps.append([_gap(lp.top) for lp in req.logprobs])
-        return out, gaps
+        plain = dataclasses.replace(params, logprobs=None)
+        for lay in lays:
+            req = eng.add_request(lay, plain, namespace="chained")
+            self.drain(eng)
+            chained.append(list(req.output_token_ids))
+        return out, gaps, chained
 
     def prefill(self, eng: LLMEngine, vocab: int) -> float:
         gen = torch.Generator().manual_seed(2)
@@ -179,12 +185,17 @@ def shape_8b(run: Run) -> None:
     kw = dict(num_blocks=blocks, max_num_batched_tokens=args.prefill + 16, max_num_seqs=max(args.batches))
     variants = [VARIANTS["tp1"]] + [VARIANTS[x] for x in args.variants]
     tokens: dict[str, list[list[int]]] = {}
+    chained: dict[str, list[list[int]]] = {}
     gaps: dict[str, list[list[float]]] = {}
     res: dict[str, dict[str, float]] = {}
     for v in variants:
         name = v.name
         eng = run.engine(cfg, v, **kw)
-        tokens[name], gaps[name] = run.greedy(eng, cfg.vocab_size)
+        steps0 = eng.chained_steps
+        tokens[name], gaps[name], chained[name] = run.greedy(eng, cfg.vocab_size)
+        chained_steps = eng.chained_steps - steps0
+        print(f"{name}: {chained_steps} decode steps chained on the device; their tokens equal the unchained "
+              f"pass's: {chained[name] == tokens[name]}", flush=True)
         res[name] = {} if args.skip_timing else run.timings(eng, cfg.vocab_size)
         run.close(eng)
         del eng  # gone before the next engine loads
@@ -214,6 +225,7 @@ def shape_8b(run: Run) -> None:
         print(format_table(["", *names, *[f"{n} / TP=1" for n in names[1:]]], table))
     write_json(args.out or ("tp_gpu_dry.json" if args.dry else "tp_gpu.json"), {
         "benchmark": "tp_gpu", "shape": cfg.name, "args": vars(args), "timings_s": res, "greedy_tokens": tokens,
+        "greedy_tokens_chained": chained,
         "top2_logprob_gaps": gaps,
         "checks": [list(map(str, r)) for r in rows], "table": table,
         "device": torch.cuda.get_device_name(0) if run.dev == "cuda" else "cpu"})

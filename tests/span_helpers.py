@@ -14,8 +14,8 @@ def capture_logits(engine: LLMEngine) -> dict[str, torch.Tensor]:
     seen: dict[str, torch.Tensor] = {}
     run = engine.runner.run
 
-    def wrapped(chunks):
-        logits, rows = run(chunks)
+    def wrapped(chunks, *args):
+        logits, rows = run(chunks, *args)
         for c, r in zip(chunks, rows):
             if r >= 0 and c.request.request_id not in seen:
                 seen[c.request.request_id] = logits[r].clone()
