@@ -130,3 +130,48 @@ def test_chained_decode_under_tensor_parallelism(tmp_path) -> None:
         assert two.pool.num_free == N_BLOCKS
     finally:
         two.shutdown()
+
+
+def test_streams_through_the_async_engine(tmp_path) -> None:
+    """The server's engine loop: streams see every token once, in order, the same as offline
+    steps one at a time; a consumer that walks away mid-stream frees its blocks."""
+    import asyncio
+
+    from spanserve.engine.async_engine import AsyncEngine
+
+    path, _ = make_tiny_model("llama", tmp_path, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (8, 15)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    plain = _engine(path, False)
+    want = [_drive(plain, [(p, params)], [])["req-%d" % i][0] for i, p in enumerate(prompts)]
+    chained = _engine(path, True)
+
+    async def main() -> tuple[list[list[list[int]]], int]:
+        aeng = AsyncEngine(chained)
+        aeng.start()
+        try:
+            async def stream(i: int, stop_after: int | None) -> list[list[int]]:
+                seen = []
+                async for o in aeng.generate(prompts[i], params, f"s{i}-{stop_after}"):
+                    seen.append(list(o.token_ids))
+                    if stop_after is not None and len(seen) == stop_after:
+                        break  # the consumer leaves: the request is aborted
+                return seen
+
+            streams = await asyncio.gather(stream(0, None), stream(1, None), stream(0, 4))
+            for _ in range(200):
+                busy, free = await aeng.call(lambda e: (e.has_unfinished(), e.pool.num_free))
+                if not busy:
+                    return streams, free
+                await asyncio.sleep(0.01)
+            raise AssertionError("engine still busy")
+        finally:
+            await aeng.shutdown()
+
+    (full0, full1, cut), free = asyncio.run(main())
+    assert full0[-1] == want[0] and full1[-1] == want[1]
+    for s in (full0, full1, cut):
+        assert all(b[:len(a)] == a and len(b) > len(a) for a, b in zip(s, s[1:]))  # cumulative, growing
+    assert cut[-1] == want[0][:len(cut[-1])]
+    assert free == N_BLOCKS and chained.chained_steps > 5
