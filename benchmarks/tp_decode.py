@@ -12,6 +12,7 @@ on its own (no chaining on the device: the phases below are what chaining hides)
      kernel family, and the GPU's idle time per step (rank 0's first sum also waits for rank 1).
 
     NCCL_NVLS_ENABLE=0 python benchmarks/tp_decode.py
+    NCCL_NVLS_ENABLE=0 python benchmarks/tp_decode.py --chained --kernels   # chained steps' GPU idle
     python benchmarks/tp_decode.py --dry     # CPU, gloo, tiny shape: checks the script
 """
 from __future__ import annotations
@@ -59,6 +60,9 @@ class Phases:
         class TimedSampler:
             def __call__(self, *a: Any, **kw: Any) -> Any:
                 return phases._time("sampler", lambda: inner(*a, **kw))
+
+            def pick(self, *a: Any, **kw: Any) -> Any:  # chained steps pick on the device
+                return phases._time("sampler", lambda: inner.pick(*a, **kw))
 
         eng.sampler = TimedSampler()  # type: ignore[assignment]
 
@@ -154,6 +158,27 @@ def kernel_profile(run: Callable[[], Any], n: int) -> dict[str, Any]:
             "top_kernels": [(k[:90], round(v[0], 1), round(v[1], 1)) for k, v in top]}
 
 
+def chained_profile(eng: LLMEngine, args: argparse.Namespace, synced: list[float]) -> dict[str, Any]:
+    """Steps chained on the device: wall time of n back-to-back engine steps, and (--kernels) the
+    GPU's busy time in them: what is left of the host on the critical path is the idle."""
+    cuda = eng.device.type == "cuda"
+
+    def steps(n: int) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            eng.step()
+        if cuda:
+            torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - t0) / n
+
+    out: dict[str, Any] = {"synced_step_ms": 1e3 * median(synced), "step_ms": steps(args.steps)}
+    if args.kernels and cuda:
+        out["kernels"] = kernel_profile(eng.step, 20)
+    return out
+
+
 def decode_profile(args: argparse.Namespace, tp: int) -> dict[str, Any]:
     cfg = tiny_config() if args.dry else llama3_8b_config()
     dev = "cpu" if args.dry else "cuda"
@@ -162,7 +187,7 @@ def decode_profile(args: argparse.Namespace, tp: int) -> dict[str, Any]:
         from spanserve.attention.triton import TritonBackend
         backend = TritonBackend()
     eng = LLMEngine(RandomWeights(cfg, seed=0), device=dev, dtype="float32" if args.dry else "bfloat16",
-                    backend=backend, tensor_parallel_size=tp, overlap=False,
+                    backend=backend, tensor_parallel_size=tp, overlap=args.chained,
                     num_blocks=(args.context + 2 * args.steps + 64) // 16 + 64, max_num_seqs=4,
                     max_num_batched_tokens=max(args.context, 256))
     try:
@@ -174,6 +199,8 @@ def decode_profile(args: argparse.Namespace, tp: int) -> dict[str, Any]:
             ph.step()
         ph.steps.clear()
         plain = [ph.step() for _ in range(args.steps)]
+        if args.chained:  # engine steps back to back: a sync between them would undo the chaining
+            return chained_profile(eng, args, plain)
         ph.steps.clear()
         ph.sync = True
         for _ in range(args.steps):
@@ -200,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--kernels", action="store_true", help="GPU time per kernel family (torch.profiler)")
+    ap.add_argument("--chained", action="store_true",
+                    help="decode steps chained on the device (the engine's default on a GPU): step times and "
+                         "GPU busy time of back-to-back engine steps instead of the phases")
     ap.add_argument("--out", default=None, help="JSON name under benchmarks/results (default tp_decode.json)")
     ap.add_argument("--dry", action="store_true", help="CPU, gloo, tiny shape: checks the script")
     args = ap.parse_args(argv)
@@ -208,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     out: dict[str, Any] = {"benchmark": "tp_decode", "args": vars(args)}
     variants = [("TP=1", 1), ("TP=2", 2)]
     res = out["decode_b1"] = {name: decode_profile(args, tp) for name, tp in variants}
-    keys = ["step", "floor", "schedule", "prepare", "send", "forward", "lm_head", "sampler", "rest"]
+    keys = (["synced_step", "step"] if args.chained else
+            ["step", "floor", "schedule", "prepare", "send", "forward", "lm_head", "sampler", "rest"])
     print(format_table(["ms", *res], [(k, *(f"{res[n][k + '_ms']:.3f}" for n in res)) for k in keys]))
     base = res["TP=1"]["step_ms"]
     print("step / TP=1: " + ", ".join(f"{n} {r['step_ms'] / base:.3f}x" for n, r in res.items()))
@@ -221,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
             for name, us, count in k["top_kernels"]:
                 print(f"    {us:8.1f} us {count:5.1f}x  {name}")
     out["device"] = torch.cuda.get_device_name(0) if not args.dry else "cpu"
-    write_json(args.out or ("tp_decode_dry.json" if args.dry else "tp_decode.json"), out)
+    name = "tp_decode_chained" if args.chained else "tp_decode"
+    write_json(args.out or (f"{name}_dry.json" if args.dry else f"{name}.json"), out)
 
 
 if __name__ == "__main__":
