@@ -15,6 +15,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
     p.add_argument("--fused-ops", default="auto", choices=["auto", "on", "off"],
                    help="Triton kernels for norms, rotary and SiLU; auto: on with CUDA")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="take decode steps one at a time (default with CUDA graphs: the next step is "
+                        "launched before the host sees this one's tokens)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=_size, default=None,
                    help="bytes for the KV pool, e.g. 1073741824, 512MiB or 2GB (default: 1 GiB on CPU)")
@@ -64,7 +67,7 @@ def _serve(args: argparse.Namespace) -> int:
         **_runtime_args(args), kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, default_policy=args.default_policy,
         max_queued_requests=args.max_queued_requests, log_level=args.log_level,
-        tensor_parallel_size=args.tensor_parallel_size, api_key=args.api_key,
+        tensor_parallel_size=args.tensor_parallel_size, overlap=not args.no_overlap, api_key=args.api_key,
         auth_all_routes=args.auth_all_routes, strict_params=args.strict_params, kv_offload=_offload(args)))
 
 
@@ -101,7 +104,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, **_runtime_args(args), block_size=args.block_size,
               kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-              tensor_parallel_size=args.tensor_parallel_size, kv_offload=_offload(args))
+              tensor_parallel_size=args.tensor_parallel_size, kv_offload=_offload(args),
+              overlap=False if args.no_overlap else None)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]

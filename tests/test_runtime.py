@@ -170,11 +170,13 @@ def test_cli_passes_choices_to_the_server(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(launch, "serve", lambda opts: seen.append(opts) or 0)
     assert cli.main(["serve", "--model", "m"]) == 0
     o = seen[-1]
-    assert (o.device, o.dtype, o.backend, o.enforce_eager, o.fused_ops) == ("auto", "auto", "auto", False, "auto")
+    assert (o.device, o.dtype, o.backend, o.enforce_eager, o.fused_ops, o.overlap) == (
+        "auto", "auto", "auto", False, "auto", True)
     assert cli.main(["serve", "--model", "m", "--device", "cpu", "--dtype", "bfloat16", "--attention-backend",
-                     "reference", "--enforce-eager", "--fused-ops", "off"]) == 0
+                     "reference", "--enforce-eager", "--fused-ops", "off", "--no-overlap"]) == 0
     o = seen[-1]
-    assert (o.device, o.dtype, o.backend, o.enforce_eager, o.fused_ops) == ("cpu", "bfloat16", "reference", True, "off")
+    assert (o.device, o.dtype, o.backend, o.enforce_eager, o.fused_ops, o.overlap) == (
+        "cpu", "bfloat16", "reference", True, "off", False)
 
 
 def test_cli_bad_choices(tiny: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

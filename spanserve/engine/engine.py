@@ -10,7 +10,6 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from spanserve.attention.backend import AttentionBackend
-from spanserve.attention.paths import StepPath
 from spanserve.attention.reference import ReferenceBackend
 from spanserve.cache.block_pool import BlockPool
 from spanserve.cache.manager import CacheManager
@@ -21,14 +20,14 @@ from spanserve.cache.tiers.stack import TierStack
 from spanserve.engine.layout import Segment, checked_many, checked_tokens, resolve
 from spanserve.engine.layout import sink_prefix as layout_sink_prefix
 from spanserve.engine.detokenize import IncrementalText, make_decoder
-from spanserve.engine.outputs import RequestOutput, find_stop
-from spanserve.engine.overlap import HostTokens, Pending, chains, may_continue
+from spanserve.engine.outputs import RequestOutput, stop_check
+from spanserve.engine.overlap import DecodeChain, drop_placeholder
 from spanserve.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from spanserve.engine.request import Request, Status
-from spanserve.engine.runner import ModelRunner, StepInput
+from spanserve.engine.runner import ModelRunner
 from spanserve.engine.runtime import make_backend
 from spanserve.engine.sampling import Sampler, SamplingParams, make_generator
-from spanserve.engine.scheduler import Chunk, Schedule, Scheduler
+from spanserve.engine.scheduler import Schedule, Scheduler
 from spanserve.engine.step_stats import DecodeStepStats
 from spanserve.engine.structured import Grammars, parse_response_format
 from spanserve.model.llama import LlamaModel
@@ -142,11 +141,6 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model, self.storage, backend, cuda_graphs)
         self.sampler = Sampler()
-        # overlap: decode steps chained on the device (engine/overlap.py); None = with CUDA graphs
-        self.overlap = self.runner.graphs is not None and (overlap is None and self.runner.graphs.capture or bool(overlap))
-        self._pending: Pending | None = None
-        self.chained_steps = 0
-        self._settled_at = 0.0
         self.grammars = Grammars(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self._decode = make_decoder(self.tokenizer)
         limit = min(self.config.max_position_embeddings, num_blocks * block_size)
@@ -154,6 +148,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.decode_stats = DecodeStepStats()  # decode-only steps: wall time by batch size
+        # overlap: decode steps chained on the device (engine/overlap.py); None = with CUDA graphs
+        graphs = self.runner.graphs
+        chain = graphs is not None and (graphs.capture if overlap is None else overlap)
+        self.chain: DecodeChain | None = DecodeChain(self) if chain else None
         self.counters = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0, "preemptions": 0,
                          "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
 
@@ -246,19 +244,19 @@ class LLMEngine:
         if req is None:
             return None
         if req.token_in_flight:  # its pick is dropped: the row ends at the last token it has
-            self._unplace(req)
+            drop_placeholder(req)
         req.finish_reason = "abort"
         self.scheduler.finish(req)
         self.grammars.close(request_id)
         return self._output(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._pending is not None
+        return self.scheduler.has_work() or (self.chain is not None and self.chain.pending is not None)
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self._pending is not None:
-            return self._step_chained(self._pending)
+        if self.chain is not None and self.chain.pending is not None:
+            return self.chain.step()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.counters["preemptions"] += len(sched.preempted)
@@ -275,18 +273,18 @@ class LLMEngine:
                 return [self._finish_output(req)]
             self.scheduler.wait_for_loads()  # only requests waiting on tier loads: sleep, not spin
             return []
-        return self._compute(sched, t0)
+        return self.run_schedule(sched, t0)
 
-    def _compute(self, sched: Schedule, t0: float) -> list[RequestOutput]:
+    def run_schedule(self, sched: Schedule, t0: float) -> list[RequestOutput]:
+        """Runs a scheduled step: forward, sampling (or, chained, picks left on the device), outputs."""
         if any(wants_prompt_logprobs(c) for c in sched.chunks):
             logits, rows, hidden = self.runner.run_keep_hidden(sched.chunks)
             record_prompt_logprobs(functools.partial(self.runner.logits_at, hidden), sched.chunks)
         else:
             prepared = self.runner.prepare(sched.chunks)
-            if self._chainable(sched.chunks, prepared):
-                logits, rows = self.runner.run(sched.chunks, prepared)
-                return self._launch(sched.chunks, logits, rows, t0)
             logits, rows = self.runner.run(sched.chunks, prepared)
+            if self.chain is not None and self.chain.chainable(sched.chunks, prepared):
+                return self.chain.launch(sched.chunks, logits, rows, t0)
         sampled = [(c.request, r) for c, r in zip(sched.chunks, rows) if r >= 0]
         mask = self.grammars.mask([q.request_id for q, _ in sampled], logits.device)
         tokens, logprobs = self.sampler(logits, [q.params for q, _ in sampled], [q.generator for q, _ in sampled],
@@ -311,74 +309,22 @@ class LLMEngine:
             outputs.append(self._output(req))
         return outputs
 
-    # ---- decode steps chained on the device (engine/overlap.py) ------------------------------
-    def _chainable(self, chunks: list[Chunk], prepared: StepInput) -> bool:
-        return (self.overlap and prepared.path is StepPath.DECODE_GRAPH and all(i >= 0 for i in prepared.sample_at)
-                and all(chains(c.request, c.request.request_id in self.grammars) for c in chunks)
-                and any(may_continue(c.request, self.max_model_len) for c in chunks))
-
-    def _launch(self, chunks: list[Chunk], logits: torch.Tensor, rows: list[int], t0: float,
-                settle: Pending | None = None) -> list[RequestOutput]:
-        """Picks this step's tokens on the device, settles the step before it (if any) while this
-        one runs, then gives every request that goes on a placeholder for its pick."""
-        sampled = [(c.request, r) for c, r in zip(chunks, rows)]
-        picks = self.sampler.pick(logits, [q.params for q, _ in sampled], [q.generator for q, _ in sampled])
-        pending = Pending(sampled, HostTokens(picks), t0, sum(c.positions[0] + 1 for c in chunks))
-        outputs = self._settle(settle) if settle is not None else []
-        for req, _ in sampled:
-            if not req.finished and may_continue(req, self.max_model_len):
-                main = req.main
-                main.tokens.append(0)
-                main.todo.append(len(main.tokens) - 1)
-                req.token_in_flight = True
-        self._pending = pending
-        return outputs
-
-    def _can_chain(self) -> bool:
-        """The next step is exactly the placeholders' decode rows: nothing waits to be admitted,
-        every running request with work has a placeholder, and no one can be preempted (each
-        needs one block at most)."""
-        running = self.scheduler.running
-        return (not self.scheduler.waiting and self.pool.num_free >= len(running)
-                and any(r.token_in_flight for r in running)
-                and all(r.token_in_flight or not any(t.todo for t in r.tasks) for r in running))
-
-    def _step_chained(self, pending: Pending) -> list[RequestOutput]:
-        self._pending = None
-        if not self._can_chain():
-            return self._settle(pending)
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        chunks = sched.chunks
-        prepared = self.runner.prepare(chunks) if chunks else None
-        if (prepared is None or sched.preempted or prepared.path is not StepPath.DECODE_GRAPH
-                or not all(c.request.token_in_flight and i >= 0 for c, i in zip(chunks, prepared.sample_at))):
-            outputs = self._settle(pending)  # not one chained step after all: the host goes first
-            sched.chunks = [c for c in chunks if not c.request.finished]
-            return outputs + (self._compute(sched, t0) if sched.chunks else [])
-        prepared.chained = True
-        self.chained_steps += 1
-        ids = pending.picks.rows(pending.index_of([c.request for c in chunks]))
-        logits, rows = self.runner.run_chained(chunks, prepared, ids)
-        return self._launch(chunks, logits, rows, t0, settle=pending)
-
-    def _settle(self, pending: Pending) -> list[RequestOutput]:
-        """The host takes in a chained step's picks: each becomes its request's token."""
-        tokens = self.runner.fetch(pending.picks)
-        live = [(req, tokens[i]) for req, i in pending.sampled if not req.finished]  # aborted meanwhile
-        for req, tok in live:
+    def take(self, picked: "list[tuple[Request, int]]") -> list[RequestOutput]:
+        """Tokens picked on the device, now on the host (a chained step): appended, then output."""
+        for req, tok in picked:
             self._append(req, tok, None)
-        now = time.perf_counter()
-        self.decode_stats.record(len(pending.sampled), pending.keys, now - max(pending.started, self._settled_at))
-        self._settled_at = now
-        return self._outputs(req for req, _ in live)
+        return self._outputs(req for req, _ in picked)
 
-    def _unplace(self, req: Request) -> None:
-        main = req.main
-        main.tokens.pop()
-        if main.todo and main.todo[-1] == len(main.tokens):
-            main.todo.pop()
-        req.token_in_flight = False
+    def structured(self, req: Request) -> bool:
+        return req.request_id in self.grammars
+
+    @property
+    def overlap(self) -> bool:
+        return self.chain is not None
+
+    @property
+    def chained_steps(self) -> int:
+        return 0 if self.chain is None else self.chain.steps
 
     def _append(self, req: Request, tok: int, lp: Any) -> None:
         if req.first_token_time is None:
@@ -400,23 +346,12 @@ class LLMEngine:
         if req.detok is None:
             req.detok = IncrementalText(self._decode)
         req.text = req.detok.update(req.output_token_ids)
-        reason: str | None = None
         grammar_done = req.request_id in self.grammars and self._advance_grammar(req, tok)
-        if tok in p.stop_token_ids:
-            reason, req.stop_reason = "stop", tok
-        elif not p.ignore_eos and tok in self.eos_token_ids:
-            reason, req.stop_reason = "stop", None
-        elif p.stop and (hit := find_stop(req.text, p.stop, prev_len)) is not None:
-            i, s = hit
-            req.text = req.text[: i + (len(s) if p.include_stop_str_in_output else 0)]
-            reason, req.stop_reason = "stop", s
-        elif grammar_done:
-            reason, req.stop_reason = "stop", None
-        elif len(req.output_token_ids) >= p.max_tokens:
-            reason = "length"
-        elif len(main.tokens) >= self.max_model_len:
-            reason = "length"
+        reason, stop, text = stop_check(req.text, prev_len, tok, p, self.eos_token_ids, grammar_done,
+                                        len(req.output_token_ids), len(main.tokens) >= self.max_model_len)
+        req.text = text
         if reason is not None:
+            req.stop_reason = stop
             if not isinstance(req.stop_reason, str):  # not cut at a stop string: all of the text
                 req.text = req.detok.update(req.output_token_ids, final=True)
             req.finish_reason = reason

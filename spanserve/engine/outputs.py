@@ -30,3 +30,21 @@ def find_stop(text: str, stops: list[str], search_from: int) -> tuple[int, str] 
         if i >= 0 and (best is None or i < best[0]):
             best = (i, s)
     return best
+
+
+def stop_check(text: str, prev_len: int, tok: int, p: Any, eos: set[int], grammar_done: bool, n_out: int,
+               at_max_len: bool) -> tuple[str | None, str | int | None, str]:
+    """After appending `tok` (the text grew from prev_len characters): (finish reason or None,
+    stop reason, the text cut at a stop string if one ended it). `p`: the SamplingParams."""
+    if tok in p.stop_token_ids:
+        return "stop", tok, text
+    if not p.ignore_eos and tok in eos:
+        return "stop", None, text
+    if p.stop and (hit := find_stop(text, p.stop, prev_len)) is not None:
+        i, s = hit
+        return "stop", s, text[: i + (len(s) if p.include_stop_str_in_output else 0)]
+    if grammar_done:
+        return "stop", None, text
+    if n_out >= p.max_tokens or at_max_len:
+        return "length", None, text
+    return None, None, text

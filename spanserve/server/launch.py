@@ -56,6 +56,7 @@ class ServeOptions:
     max_queued_requests: int = 1024
     log_level: str = "info"
     tensor_parallel_size: int = 1
+    overlap: bool = True  # decode steps chained on the device where CUDA graphs run (engine/overlap.py)
     api_key: str | None = None  # None: the SPANSERVE_API_KEY environment variable, if set
     auth_all_routes: bool = False  # the key guards /health and /metrics too
     strict_params: bool = False  # unknown request fields are a 400 instead of a logged warning
@@ -87,6 +88,7 @@ def serve(opts: ServeOptions) -> int:
                        kv_cache_memory=opts.kv_cache_memory, max_num_seqs=opts.max_num_seqs,
                        max_model_len=opts.max_model_len, default_policy=opts.default_policy,
                        tensor_parallel_size=opts.tensor_parallel_size, tp_on_failure="exit",
+                       overlap=None if opts.overlap else False,
                        kv_offload=opts.kv_offload)
     c = engine.config
     log.info("model loaded in %.1f s: %s, %d layers, hidden %d, vocab %d", time.monotonic() - t0,
