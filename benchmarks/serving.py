@@ -298,6 +298,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--slo", type=float, default=None, help="p99 TTFT bound (s) for the sustained RAG rate")
     ap.add_argument("--no-rag", action="store_true")
     ap.add_argument("--no-offline", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true", help="the server takes decode steps one at a time")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds for everything (440); RAG rates that would start later are skipped")
     ap.add_argument("--reserve", type=float, default=None, help="seconds kept for the offline run")
@@ -330,7 +331,8 @@ def main(argv: list[str] | None = None) -> None:
     d.result["model"] = prep
     d.words = prep["vocab_size"] - SPECIAL_BASE  # random text stays below the special ids
     kv = ["--kv-cache-memory", a.kv_cache_memory] if a.kv_cache_memory else []
-    server = Server(str(a.model_dir), a.port, ["--max-num-seqs", str(a.max_num_seqs), *kv])
+    server = Server(str(a.model_dir), a.port, ["--max-num-seqs", str(a.max_num_seqs), *kv,
+                                               *(["--no-overlap"] if a.no_overlap else [])])
     warm = chat_requests(1, a.chat_warmup, MODEL, FIRST_WORD, d.words, a.chat_in, a.chat_out)
     try:
         server.wait_ready(timeout=300)
