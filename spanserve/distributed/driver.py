@@ -54,7 +54,7 @@ def check_devices(world: int, device: torch.device) -> None:
 
 class TPDriver:
     def __init__(self, model: Any, world: int, device: torch.device, dtype: torch.dtype, on_failure: str = "raise",
-                 float32_reduce: bool = False):
+                 float32_reduce: bool = False, peer_sum: bool = True):
         if on_failure not in ("raise", "exit"):
             raise ValueError(f"on_failure must be 'raise' or 'exit', got {on_failure!r}")
         check_devices(world, device)
@@ -70,7 +70,8 @@ class TPDriver:
         ctx = mp.get_context("spawn")
         wsource = source.for_workers()
         self.procs = [ctx.Process(target=worker_main, name=f"spanserve-tp{r}", daemon=True,
-                                  args=(WorkerArgs(r, world, port, device.type, dtype, self.config, wsource, float32_reduce),))
+                                  args=(WorkerArgs(r, world, port, device.type, dtype, self.config, wsource, float32_reduce,
+                                                    peer_sum),))
                       for r in range(1, world)]
         for p in self.procs:
             p.start()
@@ -78,7 +79,7 @@ class TPDriver:
         self._monitor.start()
         atexit.register(self.close)
         with self.collective():
-            self.group = TPGroup.join(0, world, port, device.type, float32_reduce)
+            self.group = TPGroup.join(0, world, port, device.type, float32_reduce, peer_sum)
             self.model = load_shard(self.group, self.config, source, dtype)
             self.min_free = self.group.min_over_ranks(free_memory(self.group.device))
         log.info("tensor parallel: %d ranks on %s, %d of %d heads and %d of %d KV heads per rank", world,

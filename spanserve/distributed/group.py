@@ -47,12 +47,27 @@ class TPGroup:
     # TP=1 closely (at twice the bytes on the wire).
     float32_reduce: bool = False
 
+    # Short steps' sums through GPU peer memory, fused with the residual add and RMSNorm
+    # (distributed/peer_sum.py); made by `enable_peer_sum` once the model's shape is known.
+    peer_sum: bool = True
+
     def __post_init__(self) -> None:
         # Probed once, outside any CUDA graph capture (an exception there would spoil it).
         self._native_f32 = self.float32_reduce and has_mm_out_dtype(self.device)
+        self.peer: Any = None
+
+    def enable_peer_sum(self, hidden: int, dtype: torch.dtype) -> None:
+        """Collective: every rank calls it once, after loading its shard."""
+        if not self.peer_sum or self.float32_reduce or self.device.type != "cuda":
+            return
+        from spanserve.distributed.peer_sum import PeerSum
+
+        self.peer = PeerSum.make(self.rank, self.world, hidden, dtype, self.device, dist.group.WORLD.group_name)
+        dist.barrier(group=self.control)  # every rank's flags are zero before any rank raises one
 
     @classmethod
-    def join(cls, rank: int, world: int, port: int, device_type: str, float32_reduce: bool = False) -> "TPGroup":
+    def join(cls, rank: int, world: int, port: int, device_type: str, float32_reduce: bool = False,
+             peer_sum: bool = True) -> "TPGroup":
         device = rank_device(device_type, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -66,7 +81,7 @@ class TPGroup:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=_IDLE_FOREVER, **kwargs)
         control = dist.new_group(backend="gloo", timeout=_IDLE_FOREVER) if backend != "gloo" else dist.group.WORLD
-        return cls(rank, world, device, control, float32_reduce)
+        return cls(rank, world, device, control, float32_reduce, peer_sum)
 
     # ---- the model's collectives ---------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,6 +95,16 @@ class TPGroup:
             return self.all_reduce(F.linear(x, weight))
         part = self.all_reduce(mm_float32(x.reshape(-1, x.shape[-1]), weight.t(), self._native_f32))
         return part.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+    def fuses(self, residual: torch.Tensor) -> bool:
+        """Whether `reduce_add` onto this residual stream goes through peer memory."""
+        return self.peer is not None and self.peer.fits(residual)
+
+    def reduce_add(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                   eps: float) -> "tuple[torch.Tensor | None, torch.Tensor]":
+        """(rms_norm(residual + sum) * weight or None, residual + sum), sum = x summed over ranks
+        through peer memory; only where `fuses(residual)`."""
+        return self.peer.add(x, residual, weight, eps)
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[n, V/world] shards of the vocabulary-parallel LM head -> [n, V] on every rank."""

@@ -31,6 +31,7 @@ class WorkerArgs:
     config: ModelConfig  # the whole model's
     source: Any  # a spanserve.distributed.weights source
     float32_reduce: bool = False
+    peer_sum: bool = True
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ def load_shard(group: TPGroup, config: ModelConfig, source: Any, dtype: torch.dt
     del weights
     if group.device.type == "cuda":
         torch.cuda.empty_cache()  # what loading freed is free for the KV pool
+    group.enable_peer_sum(config.hidden_size, dtype)
     return model
 
 
@@ -68,7 +70,7 @@ def free_memory(device: torch.device) -> int:
 
 def worker_main(args: WorkerArgs) -> None:
     quiet_threads()
-    group = TPGroup.join(args.rank, args.world, args.port, args.device_type, args.float32_reduce)
+    group = TPGroup.join(args.rank, args.world, args.port, args.device_type, args.float32_reduce, args.peer_sum)
     try:
         model = load_shard(group, args.config, args.source, args.dtype)
         group.min_over_ranks(free_memory(group.device))

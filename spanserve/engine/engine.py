@@ -67,6 +67,7 @@ class LLMEngine:
         tensor_parallel_size: int = 1,
         tp_on_failure: str = "raise",
         tp_float32_reduce: bool = False,
+        tp_peer_sum: bool = True,
         fused_ops: bool | None = None,
         overlap: bool | None = None,
         kv_offload: "OffloadConfig | dict | None" = None,
@@ -85,14 +86,16 @@ class LLMEngine:
         self.dtype = parse_dtype(dtype)
         # tensor_parallel_size > 1: worker processes hold the other shards (spanserve.distributed);
         # tp_on_failure: "raise" WorkerDied when one dies, or "exit" the process (a server);
-        # tp_float32_reduce: row-parallel partial sums in float32 (bf16 TP tracks TP=1 closely)
+        # tp_float32_reduce: row-parallel partial sums in float32 (bf16 TP tracks TP=1 closely);
+        # tp_peer_sum: short steps' sums through GPU peer memory (distributed/peer_sum.py)
         self.tp = None
         offload = OffloadConfig.of(kv_offload)
         fingerprint = None
         if tensor_parallel_size > 1:
             from spanserve.distributed.driver import TPDriver
 
-            self.tp = TPDriver(model, tensor_parallel_size, self.device, self.dtype, tp_on_failure, tp_float32_reduce)
+            self.tp = TPDriver(model, tensor_parallel_size, self.device, self.dtype, tp_on_failure, tp_float32_reduce,
+                               tp_peer_sum)
             self.config, self.tokenizer, self.model = self.tp.config, self.tp.tokenizer, self.tp.model
             if offload is not None and offload.enabled:  # tiers keep whole blocks: TP=1's identity
                 fingerprint = self.tp.fingerprint(block_size)

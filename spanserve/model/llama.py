@@ -84,6 +84,11 @@ class Collectives(Protocol):
 
     def broadcast_ids(self, ids: torch.Tensor) -> None: ...
 
+    def fuses(self, residual: torch.Tensor) -> bool: ...
+
+    def reduce_add(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                   eps: float) -> "tuple[torch.Tensor | None, torch.Tensor]": ...
+
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
@@ -185,8 +190,8 @@ class LlamaModel:
             if hooks is not None:
                 hooks.after_write(i, q, k, v, idx, k_caches[i], v_caches[i])
             attn = backend.attend(prepared, q, k_caches[i], v_caches[i])
-            x, hx = ops.add_rms_norm(self.row_linear(attn, L.o), hx, L.post_norm, c.rms_norm_eps)
-            hx = hx + self.row_linear(ops.silu_mul(F.linear(x, L.gate_up)), L.down)
+            x, hx = self._add(attn, L.o, hx, L.post_norm)
+            hx = self._add(ops.silu_mul(F.linear(x, L.gate_up)), L.down, hx, None)[1]
             if idx is None:
                 h = hx
             else:
@@ -195,6 +200,17 @@ class LlamaModel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.group is None else self.group.all_reduce(x)
+
+    def _add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+             norm: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(rms_norm(h) * norm or None, h) with h = residual + x @ weight.T (on a shard: summed
+        over ranks, through peer memory with the add and norm fused where the group can)."""
+        if self.group is not None and self.group.fuses(residual):
+            return self.group.reduce_add(F.linear(x, weight), residual, norm, self.config.rms_norm_eps)
+        y = self.row_linear(x, weight)
+        if norm is None:
+            return None, residual + y
+        return self.ops.add_rms_norm(y, residual, norm, self.config.rms_norm_eps)
 
     def row_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight.T; on a shard, the partial products summed over ranks (o and down)."""
