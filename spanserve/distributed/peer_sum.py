@@ -3,14 +3,14 @@ residual add and RMSNorm that follow them.
 
 A decode step sums [B, hidden] twice per layer. Through NCCL each sum is a kernel of ~7 us on two
 H100s, then the residual add and the norm are kernels of their own. Here one kernel per sum does
-all of it: every rank writes its partial row into a buffer its peers can read (torch symmetric
-memory), raises a flag in each peer's flag buffer, waits for theirs, adds the partials in rank
+all of it: every rank writes its partial row into each peer's buffer (torch symmetric memory maps every
+rank's allocation on every GPU), raises a flag there, waits for theirs, adds the partials in rank
 order (so every rank holds the same bits, as NCCL's sum of two bf16 values gives them) and then
 applies the residual add and, for the attention output, the RMSNorm of the next sublayer.
 
 Each row has its own epoch counter (advanced by the program that owns the row) and two buffer
-slots used in turn: a rank writes slot e % 2 at epoch e only after every peer raised its flag for
-e - 1, that is after they finished reading the slot at e - 2. No barrier at the end is needed.
+slots used in turn: a rank writes a peer's slot e % 2 at epoch e only after that peer raised its
+flag for e - 1, that is after it finished reading the slot at e - 2. No barrier at the end.
 A peer that never arrives leaves the kernel spinning, as NCCL's would: the driver's monitor
 sees the dead worker and ends the process."""
 from __future__ import annotations
@@ -23,7 +23,8 @@ import triton.language as tl
 
 log = logging.getLogger("spanserve.tp")
 
-MAX_ROWS = 64  # rows a sum may have (decode batches up to 64): larger ones go to NCCL
+MAX_ROWS = 64  # rows the buffers hold
+FUSED_ROWS = 8  # rows up to which a sum goes through peer memory (one program per row: NCCL wins above)
 
 
 @triton.jit
@@ -36,16 +37,22 @@ def _peer_sum_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, bufs_ptr, flags_pt
     mask = cmask[None, :]
     dt = x_ptr.dtype.element_ty
     e = tl.load(count_ptr + p) + 1
-    at = ((e % 2) * ROWS + p).to(tl.int64) * N
-    x = tl.load(x_ptr + p.to(tl.int64) * N + cols[None, :], mask=mask, other=0.0)
-    mine = tl.load(bufs_ptr + RANK).to(tl.pointer_type(dt))
-    tl.store(mine + at + cols[None, :], x, mask=mask)
+    slot = (e % 2) * WORLD
+    row = p.to(tl.int64) * N
+    x = tl.load(x_ptr + row + cols[None, :], mask=mask, other=0.0)
+    # Push this rank's row into every peer's buffer (posted writes: nothing waits on them), then
+    # raise the flag there; each rank then reads only its own memory.
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            theirs = tl.load(bufs_ptr + r).to(tl.pointer_type(dt))
+            tl.store(theirs + ((slot + RANK) * ROWS).to(tl.int64) * N + row + cols[None, :], x, mask=mask)
     tl.debug_barrier()  # every thread's row stores happen before the flag (release is cumulative)
     for r in tl.static_range(WORLD):
         if r != RANK:
             peer_flags = tl.load(flags_ptr + r).to(tl.pointer_type(tl.int32))
             tl.atomic_xchg(peer_flags + RANK * ROWS + p, e, sem="release", scope="sys")
     own_flags = tl.load(flags_ptr + RANK).to(tl.pointer_type(tl.int32))
+    mine = tl.load(bufs_ptr + RANK).to(tl.pointer_type(dt))
     acc = tl.zeros([1, BLOCK], dtype=tl.float32)
     for r in tl.static_range(WORLD):
         if r == RANK:
@@ -54,8 +61,9 @@ def _peer_sum_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, bufs_ptr, flags_pt
             while tl.atomic_add(own_flags + r * ROWS + p, 0, sem="acquire", scope="sys") < e:
                 pass
             tl.debug_barrier()
-            theirs = tl.load(bufs_ptr + r).to(tl.pointer_type(dt))
-            acc += tl.load(theirs + at + cols[None, :], mask=mask, other=0.0, volatile=True).to(tl.float32)
+            got = tl.load(mine + ((slot + r) * ROWS).to(tl.int64) * N + row + cols[None, :], mask=mask, other=0.0,
+                          volatile=True)
+            acc += got.to(tl.float32)
     s = acc.to(dt).to(tl.float32)  # the sum, rounded as NCCL rounds it
     r = tl.load(res_ptr + p.to(tl.int64) * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     h = (s + r).to(dt)
@@ -86,7 +94,7 @@ class PeerSum:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            data = symm_mem.empty(2 * MAX_ROWS * hidden, dtype=dtype, device=device)
+            data = symm_mem.empty(2 * world * MAX_ROWS * hidden, dtype=dtype, device=device)
             flags = symm_mem.empty(world * MAX_ROWS, dtype=torch.int32, device=device)
             flags.zero_()
             hd, hf = symm_mem.rendezvous(data, group_name), symm_mem.rendezvous(flags, group_name)
@@ -101,7 +109,7 @@ class PeerSum:
 
     def fits(self, residual: torch.Tensor) -> bool:
         """Whether a sum onto this residual stream [T, hidden] goes through peer memory."""
-        return (residual.dim() == 2 and 0 < residual.shape[0] <= MAX_ROWS and residual.shape[1] == self.hidden
+        return (residual.dim() == 2 and 0 < residual.shape[0] <= FUSED_ROWS and residual.shape[1] == self.hidden
                 and residual.dtype == self.dtype and residual.is_contiguous())
 
     def add(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
