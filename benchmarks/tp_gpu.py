@@ -74,7 +74,7 @@ class Run:
         t0 = time.perf_counter()
         eng = LLMEngine(RandomWeights(config, seed=self.args.seed), device=self.dev, dtype=self.dtype,
                         backend=self.backend(v.split_scale), tensor_parallel_size=v.tp,
-                        tp_float32_reduce=v.float32_reduce, overlap=v.overlap,
+                        tp_float32_reduce=v.float32_reduce, overlap=v.overlap, tp_peer_sum=v.peer_sum,
                         cuda_graphs=not self.args.no_graphs and "auto", **kw)
         print(f"{v.name}: engine up in {time.perf_counter() - t0:.1f} s", flush=True)
         return eng
@@ -161,12 +161,14 @@ class Variant:
     float32_reduce: bool = False
     split_scale: int = 1
     overlap: bool | None = None  # None: the engine's default (decode steps chained on the device)
+    peer_sum: bool = True  # short steps' sums through GPU peer memory (where available)
 
 
 VARIANTS = {"tp1": Variant("TP=1", 1), "tp2": Variant("TP=2", 2), "tp2f32": Variant("TP=2 f32-reduce", 2, True),
             "tp1split": Variant("TP=1, TP=2's attention split", 1, split_scale=2),
             "tp1step": Variant("TP=1 unchained", 1, overlap=False),
-            "tp2step": Variant("TP=2 unchained", 2, overlap=False)}
+            "tp2step": Variant("TP=2 unchained", 2, overlap=False),
+            "tp2nccl": Variant("TP=2 NCCL sums", 2, peer_sum=False)}
 
 
 def _gap(top: dict[int, float]) -> float:
@@ -289,7 +291,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-graphs", action="store_true", help="every step eager (no CUDA graphs)")
     ap.add_argument("--variants", nargs="+", choices=[k for k in VARIANTS if k != "tp1"], default=["tp2", "tp2f32"],
                     help="engines run after TP=1: TP=2, TP=2 with float32 sums, TP=1 with TP=2's attention split "
-                         "(a control), TP=1 and TP=2 taking decode steps one at a time (no chaining on the device)")
+                         "(a control), TP=1 and TP=2 taking decode steps one at a time (no chaining on the device), "
+                         "TP=2 with every sum through NCCL (no peer memory)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--out", help="8B: the JSON's name under benchmarks/results (default tp_gpu.json)")
     ap.add_argument("--skip-timing", action="store_true", help="8B: greedy checks only")

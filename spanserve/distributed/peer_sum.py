@@ -23,8 +23,7 @@ import triton.language as tl
 
 log = logging.getLogger("spanserve.tp")
 
-MAX_ROWS = 64  # rows the buffers hold
-FUSED_ROWS = 8  # rows up to which a sum goes through peer memory (one program per row: NCCL wins above)
+MAX_ROWS = 64  # rows a sum may have (decode batches up to 64): larger ones go to NCCL
 
 
 @triton.jit
@@ -109,7 +108,7 @@ class PeerSum:
 
     def fits(self, residual: torch.Tensor) -> bool:
         """Whether a sum onto this residual stream [T, hidden] goes through peer memory."""
-        return (residual.dim() == 2 and 0 < residual.shape[0] <= FUSED_ROWS and residual.shape[1] == self.hidden
+        return (residual.dim() == 2 and 0 < residual.shape[0] <= MAX_ROWS and residual.shape[1] == self.hidden
                 and residual.dtype == self.dtype and residual.is_contiguous())
 
     def add(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
