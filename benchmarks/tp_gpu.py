@@ -150,7 +150,7 @@ class Run:
     def timings(self, eng: LLMEngine, vocab: int) -> dict[str, float]:
         res = {"prefill_s": self.prefill(eng, vocab)}
         for b in self.args.batches:
-            res[f"decode_b{b}_s"] = median([self.decode(eng, vocab, b) for _ in range(3 if b == 1 else 1)])
+            res[f"decode_b{b}_s"] = median([self.decode(eng, vocab, b) for _ in range(self.args.decode_repeats if b == 1 else 1)])
         return res
 
 
@@ -282,6 +282,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens of each decoding request")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--decode-repeats", type=int, default=3, help="batch-1 decode runs (their median is reported)")
     ap.add_argument("--greedy-tokens", type=int, default=40)
     ap.add_argument("--docs", type=int, default=32)
     ap.add_argument("--doc-len", type=int, default=2857)
