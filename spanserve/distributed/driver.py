@@ -53,6 +53,10 @@ def check_devices(world: int, device: torch.device) -> None:
 
 
 class TPDriver:
+    # Symmetric memory is set up once per process group name: a second engine in this process
+    # (its group is named as the first one was) would wait for ever in the rendezvous.
+    _peer_used = False
+
     def __init__(self, model: Any, world: int, device: torch.device, dtype: torch.dtype, on_failure: str = "raise",
                  float32_reduce: bool = False, peer_sum: bool = True):
         if on_failure not in ("raise", "exit"):
@@ -61,6 +65,12 @@ class TPDriver:
         source = self.source = source_of(model)
         self.config, self.tokenizer = source.describe()
         check_divisible(self.config, world)
+        if peer_sum and device.type == "cuda":
+            if TPDriver._peer_used:
+                log.info("tensor parallel: peer-memory sums off (an earlier engine in this process set them up; "
+                         "symmetric memory cannot be set up again here); NCCL does every sum")
+                peer_sum = False
+            TPDriver._peer_used = TPDriver._peer_used or peer_sum
         self.on_failure = on_failure
         self.dead: str | None = None
         self._closing = False  # exits from here on are expected: the monitor stops
