@@ -279,18 +279,12 @@ def _uniforms(shape: torch.Size, device: torch.device,
 class Sampler:
     """Picks one token per row of logits [B, V]; see the module docstring."""
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
-        *,
-        mask: TokenMask | None = None,
-        histories: Histories | None = None,
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """mask: tokens a structured-output row may pick, applied before every filter and the argmax;
-        histories: each row's (prompt, generated) token ids, for penalties; None = all empty."""
-        picked = self.pick(logits, params, generators, mask=mask, histories=histories)
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None],
+                 **hooks: Any) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The picked tokens on the host, and each row's logprobs if it asked for them. `hooks`:
+        `pick`'s mask and histories."""
+        picked = self.pick(logits, params, generators, **hooks)
         tokens = picked.tolist()
         return tokens, self._logprobs(logits.to(torch.float32), params, tokens)
 
@@ -304,7 +298,9 @@ class Sampler:
         histories: Histories | None = None,
     ) -> torch.Tensor:
         """The picked token ids [B] (int64) on the logits' device, without waiting for them: a
-        decode step chained on the device feeds them to the next step's input."""
+        decode step chained on the device feeds them to the next step's input. mask: tokens a
+        structured-output row may pick, applied before every filter and the argmax; histories:
+        each row's (prompt, generated) token ids, for penalties; None = all empty."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         batch = logits.shape[0]
