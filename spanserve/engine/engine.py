@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import logging
 import time
 from typing import Any, Iterable, Sequence
 
@@ -20,10 +19,10 @@ from spanserve.cache.tiers.stack import TierStack
 from spanserve.engine.layout import Segment, checked_many, checked_tokens, resolve
 from spanserve.engine.layout import sink_prefix as layout_sink_prefix
 from spanserve.engine.detokenize import IncrementalText, make_decoder
-from spanserve.engine.outputs import RequestOutput, stop_check
+from spanserve.engine.outputs import RequestOutput, output_of, stop_check
 from spanserve.engine.overlap import DecodeChain, drop_placeholder
 from spanserve.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
-from spanserve.engine.request import Request, Status
+from spanserve.engine.request import Request
 from spanserve.engine.runner import ModelRunner
 from spanserve.engine.runtime import make_backend
 from spanserve.engine.sampling import Sampler, SamplingParams, make_generator
@@ -33,8 +32,6 @@ from spanserve.engine.structured import Grammars, parse_response_format
 from spanserve.model.llama import LlamaModel
 from spanserve.model.loader import LoadedModel, load_model
 from spanserve.reuse.policies import Policy, resolve_policy
-
-log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -251,7 +248,7 @@ class LLMEngine:
         req.finish_reason = "abort"
         self.scheduler.finish(req)
         self.grammars.close(request_id)
-        return self._output(req)
+        return output_of(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or (self.chain is not None and self.chain.pending is not None)
@@ -309,7 +306,7 @@ class LLMEngine:
                 outputs.append(self._finish_output(req))
                 continue
             self.manager.publish(req.kv)
-            outputs.append(self._output(req))
+            outputs.append(output_of(req))
         return outputs
 
     def take(self, picked: "list[tuple[Request, int]]") -> list[RequestOutput]:
@@ -349,7 +346,7 @@ class LLMEngine:
         if req.detok is None:
             req.detok = IncrementalText(self._decode)
         req.text = req.detok.update(req.output_token_ids)
-        grammar_done = req.request_id in self.grammars and self._advance_grammar(req, tok)
+        grammar_done = req.request_id in self.grammars and self.grammars.ends(req.request_id, tok)
         reason, stop, text = stop_check(req.text, prev_len, tok, p, self.eos_token_ids, grammar_done,
                                         len(req.output_token_ids), len(main.tokens) >= self.max_model_len)
         req.text = text
@@ -359,16 +356,6 @@ class LLMEngine:
                 req.text = req.detok.update(req.output_token_ids, final=True)
             req.finish_reason = reason
             self.scheduler.finish(req)
-
-    def _advance_grammar(self, req: Request, tok: int) -> bool:
-        """Feed tok to the request's grammar; True once the grammar has ended (its stop token
-        was accepted: with ignore_eos the request must still stop there)."""
-        if not self.grammars.advance(req.request_id, tok):
-            # Masks allow only tokens the grammar accepts, except EOS at a dead end of an
-            # unsatisfiable schema; either way nothing valid can follow: end the request.
-            log.warning("request %s: its grammar refused token %d; ending it", req.request_id, tok)
-            return True
-        return self.grammars.finished(req.request_id)
 
     # ---- pinned segments -------------------------------------------------------------------
     def pin(self, segments: "list[Segment | str]", namespace: str = "") -> Request:
@@ -415,17 +402,4 @@ class LLMEngine:
         self.counters["requests_finished"] += 1
         for k, n in req.reuse.items():  # the reuse kinds, and tokens loaded per tier if any
             self.counters[k] = self.counters.get(k, 0) + n
-        return self._output(req)
-
-    def _output(self, req: Request) -> RequestOutput:
-        ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
-        metrics = {"ttft": ttft, "prompt_tokens": len(req.prompt_token_ids),
-                   "cached_tokens": req.num_cached_tokens, "reuse": dict(req.reuse),
-                   "preemptions": req.num_preemptions, "recompute": dict(req.recompute_stats)}
-        return RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, text=req.text,
-            token_ids=list(req.output_token_ids), finished=req.finished, finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason, logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
-            metrics=metrics,
-        )
+        return output_of(req)

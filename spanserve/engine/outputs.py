@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spanserve.engine.sampling import TokenLogprobs
+
+if TYPE_CHECKING:
+    from spanserve.engine.request import Request
 
 
 @dataclass
@@ -48,3 +51,18 @@ def stop_check(text: str, prev_len: int, tok: int, p: Any, eos: set[int], gramma
     if n_out >= p.max_tokens or at_max_len:
         return "length", None, text
     return None, None, text
+
+
+def output_of(req: "Request") -> RequestOutput:
+    """The request as it stands, for the caller (cumulative text, tokens and logprobs)."""
+    ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
+    metrics = {"ttft": ttft, "prompt_tokens": len(req.prompt_token_ids),
+               "cached_tokens": req.num_cached_tokens, "reuse": dict(req.reuse),
+               "preemptions": req.num_preemptions, "recompute": dict(req.recompute_stats)}
+    return RequestOutput(
+        request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, text=req.text,
+        token_ids=list(req.output_token_ids), finished=req.finished, finish_reason=req.finish_reason,
+        stop_reason=req.stop_reason, logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+        prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
+        metrics=metrics,
+    )

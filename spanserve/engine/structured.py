@@ -14,12 +14,14 @@ value, so output length is bounded by the content alone.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
 SEPARATORS = (",", ":")
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:line: "; the rest is the reason.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -165,6 +167,16 @@ class Grammars:
     def advance(self, request_id: str, token: int) -> bool:
         """Feed a sampled token; False if the grammar refuses it (a bug: the mask allowed it)."""
         return bool(self._matchers[request_id].accept_token(token))
+
+    def ends(self, request_id: str, token: int) -> bool:
+        """Feed the request's sampled token; True once its grammar has ended (its stop token was
+        accepted: with ignore_eos the request must still stop there)."""
+        if not self.advance(request_id, token):
+            # Masks allow only tokens the grammar accepts, except EOS at a dead end of an
+            # unsatisfiable schema; either way nothing valid can follow: end the request.
+            log.warning("request %s: its grammar refused token %d; ending it", request_id, token)
+            return True
+        return self.finished(request_id)
 
     def finished(self, request_id: str) -> bool:
         """The grammar has ended: the matcher accepted one of its stop tokens."""
