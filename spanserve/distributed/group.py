@@ -62,8 +62,10 @@ class TPGroup:
             return
         from spanserve.distributed.peer_sum import PeerSum
 
-        self.peer = PeerSum.make(self.rank, self.world, hidden, dtype, self.device, dist.group.WORLD.group_name)
-        dist.barrier(group=self.control)  # every rank's flags are zero before any rank raises one
+        peer = PeerSum.make(self.rank, self.world, hidden, dtype, self.device, dist.group.WORLD.group_name)
+        # All ranks or none (one summing through NCCL while another waits on a flag would hang);
+        # this also makes every rank's flags zero before any rank raises one.
+        self.peer = peer if self.min_over_ranks(int(peer is not None)) else None
 
     @classmethod
     def join(cls, rank: int, world: int, port: int, device_type: str, float32_reduce: bool = False,
