@@ -140,8 +140,9 @@ class OldSampler(Sampler):
             return super().__call__(logits, params, generators)
         logits = logits.to(torch.float32)
         rows = list(range(len(params)))
-        tokens = logits[rows].argmax(dim=-1).tolist() if rows else []
-        return tokens, self._logprobs(logits, params, tokens)
+        picked = logits[rows].argmax(dim=-1)
+        tokens = picked.tolist() if rows else []
+        return tokens, self.logprobs(logits, params, picked, tokens)
 
 
 def build(device: str, batch: int, ctx: int, spans: int, mode: str, clock: Clock) -> LLMEngine:

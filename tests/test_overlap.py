@@ -37,7 +37,7 @@ def _requests(gen: torch.Generator) -> list[tuple[object, SamplingParams]]:
         ([Segment(token_ids=t(4)), Segment(token_ids=doc, kind="plus"), Segment(token_ids=t(6))],
          SamplingParams(max_tokens=11, temperature=0.7, top_k=20, seed=3, ignore_eos=True)),
         (t(7), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)),
-        (t(17), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)),  # cannot chain
+        (t(17), SamplingParams(max_tokens=12, temperature=0.8, seed=11, ignore_eos=True, logprobs=2)),
         (t(11), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, repetition_penalty=1.3)),
     ]
 
@@ -53,10 +53,12 @@ def _drive(eng: LLMEngine, reqs: list, late: list, abort_at: int | None = None) 
             handles += [eng.add_request(p, s) for p, s in late]
         if steps == abort_at:
             eng.abort(handles[0].request_id)
-    return {h.request_id: (h.output_token_ids, h.text, h.finish_reason, h.stop_reason) for h in handles}
+    return {h.request_id: (h.output_token_ids, h.text, h.finish_reason, h.stop_reason, h.logprobs) for h in handles}
 
 
 def test_chained_decode_matches_steps_one_at_a_time(tmp_path) -> None:
+    """Tokens, texts, finish and stop reasons and logprobs; a request with penalties cannot chain
+    (its batch takes steps one at a time until it finishes)."""
     path, _ = make_tiny_model("llama", tmp_path)
     gen = torch.Generator().manual_seed(0)
     reqs = _requests(gen)
@@ -68,9 +70,13 @@ def test_chained_decode_matches_steps_one_at_a_time(tmp_path) -> None:
         while eng.has_unfinished():
             eng.step()
     assert solo[1].output_token_ids == solo[0].output_token_ids and chained.chained_steps == 12
+    took = []
+    take = chained.take
+    chained.take = lambda picked: took.extend(picked) or take(picked)  # what chained steps settled
     want, got = _drive(plain, reqs, late), _drive(chained, reqs, late)
     assert got == want
     assert chained.chained_steps > 12 + 3 and plain.chained_steps == 0
+    assert any(lp is not None for _, _, lp in took)  # logprobs came through chained steps
     assert chained.pool.num_free == plain.pool.num_free == N_BLOCKS  # nothing held after the end
 
 
@@ -95,7 +101,7 @@ def test_stops_and_aborts_while_a_step_is_in_flight(tmp_path) -> None:
         want, got = _drive(plain, reqs, [], abort_at), _drive(chained, reqs, [], abort_at)
         first = next(iter(want))
         if abort_at:  # aborted with its pick in flight: that token is dropped, nothing else differs
-            (w, _, w_reason, _), (g, _, g_reason, _) = want.pop(first), got.pop(first)
+            (w, _, w_reason, _, _), (g, _, g_reason, _, _) = want.pop(first), got.pop(first)
             assert (g, g_reason) == (w, w_reason) or (g_reason == "abort" and g == w[:len(g)] and len(g) >= len(w) - 1)
         assert got == want, abort_at
         assert abort_at or want[first][2] == "stop"

@@ -216,7 +216,7 @@ class TPRunner(ModelRunner):
             chunks[i].request.recompute_stats = r.stats
         return logits, picks, hidden
 
-    def fetch(self, tokens: Any) -> list[int]:
+    def fetch(self, tokens: Any) -> list[list]:
         with self.driver.collective():  # the wait a chained step left for later
             return super().fetch(tokens)
 

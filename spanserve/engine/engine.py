@@ -309,11 +309,12 @@ class LLMEngine:
             outputs.append(output_of(req))
         return outputs
 
-    def take(self, picked: "list[tuple[Request, int]]") -> list[RequestOutput]:
-        """Tokens picked on the device, now on the host (a chained step): appended, then output."""
-        for req, tok in picked:
-            self._append(req, tok, None)
-        return self._outputs(req for req, _ in picked)
+    def take(self, picked: "list[tuple[Request, int, Any]]") -> list[RequestOutput]:
+        """Tokens picked on the device (with their logprobs), now on the host (a chained step):
+        appended, then output."""
+        for req, tok, lp in picked:
+            self._append(req, tok, lp)
+        return self._outputs(req for req, _, _ in picked)
 
     def structured(self, req: Request) -> bool:
         return req.request_id in self.grammars

@@ -9,8 +9,9 @@ from the driver to every rank under TP); the request holds a placeholder for tha
 host until the picks arrive.
 
 A request chains only when nothing about its next pick needs this token on the host first: no
-logprobs, no penalties (their histories would lack it), no structured output (its grammar must
-advance), and its first token already out (that step also snapshots the prompt). A request that a
+penalties (their histories would lack it), no structured output (its grammar must advance), and
+its first token already out (that step also snapshots the prompt). Logprobs are computed on the
+device with the picks and reach the host with them. A request that a
 pick may stop (EOS, a stop string) costs at most one wasted row of one step: its KV slot for the
 row is its own, and the step that computed it is ordered before any later user of the slot."""
 from __future__ import annotations
@@ -28,28 +29,34 @@ if TYPE_CHECKING:
     from spanserve.engine.outputs import RequestOutput
     from spanserve.engine.request import Request
     from spanserve.engine.runner import StepInput
+    from spanserve.engine.sampling import LogprobTensors
     from spanserve.engine.scheduler import Chunk
 
 
 class HostTokens:
-    """Token ids picked on the device on their way to the host: the copy is queued behind the step
-    that picks them, and `get` waits for it only when the host needs them."""
+    """Token ids picked on the device (and any tensors that go with them) on their way to the
+    host: the copies are queued behind the step that picks them, and `lists` waits for them only
+    when the host needs them."""
 
-    def __init__(self, ids: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, *extra: torch.Tensor):
         self.device_ids = ids
         self._done: torch.cuda.Event | None = None
+        self._host = [ids, *extra]
         if ids.is_cuda:
-            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            self._host.copy_(ids, non_blocking=True)
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (ids, *extra)]
+            for h, t in zip(self._host, (ids, *extra)):
+                h.copy_(t, non_blocking=True)
             self._done = torch.cuda.Event()
             self._done.record()
-        else:
-            self._host = ids
 
-    def get(self) -> list[int]:
+    def lists(self) -> list[list]:
+        """The ids, then each extra tensor, as lists."""
         if self._done is not None:
             self._done.synchronize()
-        return self._host.tolist()
+        return [t.tolist() for t in self._host]
+
+    def get(self) -> list[int]:
+        return self.lists()[0]
 
     def rows(self, index: list[int]) -> torch.Tensor:
         """The picks of these rows, in this order, on the device."""
@@ -63,9 +70,10 @@ class Pending:
     """A decode step on the device whose picks the host has not seen."""
 
     sampled: list[tuple["Request", int]]  # each sampled request and its row in the picks
-    picks: HostTokens
+    picks: HostTokens  # with the logprob tensors, if any row asked for logprobs
     started: float  # perf_counter when the step was scheduled
     keys: int  # keys attended over the batch (decode statistics)
+    logprobs: "LogprobTensors | None" = None
 
     def index_of(self, requests: list["Request"]) -> list[int]:
         row = {id(r): i for r, i in self.sampled}
@@ -75,7 +83,7 @@ class Pending:
 def chains(req: "Request", structured: bool) -> bool:
     """Whether the request's next pick may be made before the host sees its current one."""
     p = req.params
-    return (not structured and not req.encode_only and bool(req.output_token_ids) and p.logprobs is None
+    return (not structured and not req.encode_only and bool(req.output_token_ids)
             and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1)
 
 
@@ -125,8 +133,11 @@ class DecodeChain:
         one runs, then gives every request that goes on a placeholder for its pick."""
         eng = self.engine
         sampled = [(c.request, r) for c, r in zip(chunks, rows)]
-        picks = eng.sampler.pick(logits, [q.params for q, _ in sampled], [q.generator for q, _ in sampled])
-        pending = Pending(sampled, HostTokens(picks), t0, sum(c.positions[0] + 1 for c in chunks))
+        params = [q.params for q, _ in sampled]
+        picks = eng.sampler.pick(logits, params, [q.generator for q, _ in sampled])
+        lt = eng.sampler.logprob_tensors(logits, params, picks)
+        pending = Pending(sampled, HostTokens(picks, *(lt.tensors() if lt is not None else ())), t0,
+                          sum(c.positions[0] + 1 for c in chunks), lt)
         outputs = self.settle(settle) if settle is not None else []
         for req, _ in sampled:
             if not req.finished and may_continue(req, eng.max_model_len):
@@ -170,8 +181,11 @@ class DecodeChain:
     def settle(self, pending: Pending) -> list["RequestOutput"]:
         """The host takes in a chained step's picks: each becomes its request's token."""
         eng = self.engine
-        tokens = eng.runner.fetch(pending.picks)
+        tokens, *extra = eng.runner.fetch(pending.picks)
         now = time.perf_counter()
         eng.decode_stats.record(len(pending.sampled), pending.keys, now - max(pending.started, self._settled_at))
         self._settled_at = now
-        return eng.take([(req, tokens[i]) for req, i in pending.sampled if not req.finished])  # not aborted
+        lps: list = [None] * len(tokens)
+        if pending.logprobs is not None:
+            lps = pending.logprobs.build([q.params for q, _ in pending.sampled], tokens, *extra)
+        return eng.take([(req, tokens[i], lps[i]) for req, i in pending.sampled if not req.finished])  # not aborted

@@ -224,9 +224,9 @@ class ModelRunner:
         if self.model.group is not None:
             self.model.group.broadcast_ids(buffer)
 
-    def fetch(self, tokens: HostTokens) -> list[int]:
-        """The host's copy of tokens picked on the device (waits for them)."""
-        return tokens.get()
+    def fetch(self, tokens: HostTokens) -> list[list]:
+        """The host's copies of tokens picked on the device and what came with them (waits)."""
+        return tokens.lists()
 
     def _run(self, chunks: list[Chunk], step: "StepInput", wait: bool = True) -> tuple[torch.Tensor, list[int], torch.Tensor]:
         """Executes a prepared step (tensor parallelism overrides this to run it on every rank).

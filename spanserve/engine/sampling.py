@@ -286,7 +286,15 @@ class Sampler:
         `pick`'s mask and histories."""
         picked = self.pick(logits, params, generators, **hooks)
         tokens = picked.tolist()
-        return tokens, self._logprobs(logits.to(torch.float32), params, tokens)
+        return tokens, self.logprobs(logits.to(torch.float32), params, picked, tokens)
+
+    def logprobs(self, logits: torch.Tensor, params: Sequence[SamplingParams], picked: torch.Tensor,
+                 tokens: list[int]) -> list[TokenLogprobs | None]:
+        """Per row, the logprobs it asked for (None where it did not), waiting for them."""
+        lt = self.logprob_tensors(logits, params, picked)
+        if lt is None:
+            return [None] * len(params)
+        return lt.build(params, tokens, *(t.tolist() for t in lt.tensors()))
 
     def pick(
         self,
@@ -346,26 +354,39 @@ class Sampler:
         return scores.argmax(dim=-1)
 
     @staticmethod
-    def _logprobs(
-        logits: torch.Tensor, params: Sequence[SamplingParams], tokens: list[int]
-    ) -> list[TokenLogprobs | None]:
-        out: list[TokenLogprobs | None] = [None] * len(params)
+    def logprob_tensors(logits: torch.Tensor, params: Sequence[SamplingParams],
+                        picked: torch.Tensor) -> "LogprobTensors | None":
+        """The logprobs the rows that asked for them report, still on the device (None: no row
+        asked). Raw logits, before bias, penalties, temperature and filtering: they report what
+        the model thought, not what the sampler was allowed to pick."""
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
-            return out
-        # Raw logits, before bias, penalties, temperature and filtering: reports what the model
-        # thought, not what the sampler was allowed to pick.
-        lp = torch.log_softmax(logits[rows], dim=-1)
-        chosen_ids = torch.tensor([tokens[i] for i in rows], device=lp.device)
-        chosen = lp.gather(1, chosen_ids[:, None])[:, 0].tolist()
+            return None
+        all_rows = len(rows) == len(params)
+        lp = torch.log_softmax(logits if all_rows else logits[rows], dim=-1)
+        chosen = lp.gather(1, (picked if all_rows else picked[rows])[:, None])[:, 0]
         n_max = min(max(params[i].logprobs or 0 for i in rows), lp.shape[-1])
-        top_vals: list[list[float]] = []
-        top_ids: list[list[int]] = []
-        if n_max > 0:
-            top = torch.topk(lp, n_max, dim=-1)  # sorted, highest first
-            top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-        for j, i in enumerate(rows):
-            n = min(params[i].logprobs or 0, n_max)
+        top = torch.topk(lp, n_max, dim=-1)  # sorted, highest first
+        return LogprobTensors(rows, n_max, chosen, top.values, top.indices)
+
+
+@dataclass
+class LogprobTensors:
+    rows: list[int]  # the batch rows that asked for logprobs
+    n_max: int
+    chosen: torch.Tensor  # [R] the picked tokens' logprobs
+    top_vals: torch.Tensor  # [R, n_max], highest first
+    top_ids: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.chosen, self.top_vals, self.top_ids
+
+    def build(self, params: Sequence[SamplingParams], tokens: list[int], chosen: list[float],
+              top_vals: list[list[float]], top_ids: list[list[int]]) -> list[TokenLogprobs | None]:
+        """Per batch row, from the host's copies of `tensors()`."""
+        out: list[TokenLogprobs | None] = [None] * len(params)
+        for j, i in enumerate(self.rows):
+            n = min(params[i].logprobs or 0, self.n_max)
             alts = dict(zip(top_ids[j][:n], top_vals[j][:n])) if n > 0 else {}
             out[i] = TokenLogprobs(token_id=tokens[i], logprob=chosen[j], top=alts)
         return out
