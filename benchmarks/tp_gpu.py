@@ -98,8 +98,9 @@ class Run:
     # ---- measurements ------------------------------------------------------------------------
     def greedy(self, eng: LLMEngine, vocab: int) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
         """Greedy tokens of span layouts (cold, then the same documents at other positions) and,
-        at each, the logprob gap between the chosen token and the runner-up; then the same layouts
-        again in a fresh namespace without logprobs (so decode steps chain on the device)."""
+        at each, the logprob gap between the chosen token and the runner-up, taking decode steps
+        one at a time; then the same layouts again in a fresh namespace with the engine's default
+        (decode steps chained on the device, where it chains)."""
         gen = torch.Generator().manual_seed(7)
         t = lambda n: random_tokens(gen, n, vocab)  # noqa: E731
         docs = [t(n) for n in (300, 211, 157)]
@@ -108,14 +109,15 @@ class Run:
                 + [Segment(token_ids=q)] for order, q in zip(([0, 1, 2], [2, 0, 1], [1, 2]), qs)]
         params = SamplingParams(max_tokens=self.args.greedy_tokens, temperature=0, ignore_eos=True, logprobs=2)
         out, gaps, chained = [], [], []
+        chain, eng.chain = eng.chain, None  # this pass takes its steps one at a time
         for lay in lays:  # one at a time: the later ones read the first one's cached documents
             req = eng.add_request(lay, params)
             self.drain(eng)
             out.append(list(req.output_token_ids))
             gaps.append([_gap(lp.top) for lp in req.logprobs])
-        plain = dataclasses.replace(params, logprobs=None)
+        eng.chain = chain
         for lay in lays:
-            req = eng.add_request(lay, plain, namespace="chained")
+            req = eng.add_request(lay, params, namespace="chained")
             self.drain(eng)
             chained.append(list(req.output_token_ids))
         return out, gaps, chained
