@@ -109,8 +109,8 @@ def test_stops_and_aborts_while_a_step_is_in_flight(tmp_path) -> None:
 
 
 def test_host_tokens_pick_rows_in_order() -> None:
-    picks = HostTokens(torch.tensor([5, 6, 7]))
-    assert picks.get() == [5, 6, 7]
+    picks = HostTokens(torch.tensor([5, 6, 7]), torch.tensor([[1.5], [2.5], [3.5]]))
+    assert picks.lists() == [[5, 6, 7], [[1.5], [2.5], [3.5]]]
     assert picks.rows([0, 1, 2]) is picks.device_ids
     assert picks.rows([2, 0]).tolist() == [7, 5]
 

@@ -55,9 +55,6 @@ class HostTokens:
             self._done.synchronize()
         return [t.tolist() for t in self._host]
 
-    def get(self) -> list[int]:
-        return self.lists()[0]
-
     def rows(self, index: list[int]) -> torch.Tensor:
         """The picks of these rows, in this order, on the device."""
         if index == list(range(self.device_ids.numel())):

@@ -112,6 +112,7 @@ class ModelRunner:
         self.model = model
         self.storage = storage
         self.backend = backend
+        self._chain_ids: torch.Tensor | None = None  # a chained step's input ids while it runs (the driver's)
         n = model.config.num_layers
         self.k_caches = [storage.k[i] for i in range(n)]
         self.v_caches = [storage.v[i] for i in range(n)]
@@ -218,9 +219,8 @@ class ModelRunner:
 
     def _feed_ids(self, buffer: torch.Tensor) -> None:
         """A chained step's input ids into the decode buffer, after the host arrays' copy."""
-        ids = getattr(self, "_chain_ids", None)
-        if ids is not None:  # the driver (workers have none: the broadcast brings them)
-            buffer.copy_(ids)
+        if self._chain_ids is not None:  # the driver (workers have none: the broadcast brings them)
+            buffer.copy_(self._chain_ids)
         if self.model.group is not None:
             self.model.group.broadcast_ids(buffer)
 
