@@ -24,6 +24,7 @@ def pair(request, tmp_path_factory):
                               tie=request.param == "qwen2")
     one = LLM(str(path), block_size=BS, num_blocks=512, max_num_batched_tokens=64)
     two = LLM(str(path), block_size=BS, num_blocks=512, max_num_batched_tokens=64, tensor_parallel_size=2)
+    one.path = str(path)
     yield one, two
     two.shutdown()
 
@@ -99,3 +100,31 @@ def test_prompt_logprobs_match(pair):
         assert abs(x.logprob - y.logprob) < 1e-4
         assert sorted(x.top.values()) == pytest.approx(sorted(y.top.values()), abs=1e-4)
     assert a.token_ids == b.token_ids
+
+
+def test_one_device_emulating_two_ranks_gives_their_bits(pair):
+    """emulate_tp=2: one process computing as TP=2's ranks do (their GEMM shapes, partial products
+    added in rank order) gives TP=2's logits exactly, where plain TP=1 differs in the last bits;
+    plain TP=1 and the emulation agree to rounding. One torch thread, as the worker has: on the CPU
+    a GEMM's rounding can follow the thread count."""
+    one, two = pair
+    emu = LLM(one.path, block_size=BS, num_blocks=512, max_num_batched_tokens=64, emulate_tp=2)
+    docs = [_toks(n, 300 + n) for n in (11, 19)]
+    lays = [[Segment(token_ids=_toks(5, 31))] + [Segment(token_ids=docs[i], kind="plus") for i in order]
+            + [Segment(token_ids=_toks(4, q))] for order, q in (([0, 1], 32), ([1, 0], 33))]
+    prompts = [_toks(70, 34), *lays]  # 70 > max_num_batched_tokens: chunked prefill
+    s1, s2, se = capture_logits(one.engine), capture_logits(two.engine), capture_logits(emu.engine)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for p in prompts:  # one at a time: the second layout reads the first one's documents warm
+            (a,), (b,), (c,) = (run_all(e.engine, [p], params=GREEDY) for e in (one, two, emu))
+            assert torch.equal(se[c], s2[b])
+            torch.testing.assert_close(se[c], s1[a], rtol=0, atol=1e-4)
+        assert not torch.equal(s1[a], s2[b])  # what the emulation is for
+        tokens = [o.token_ids for o in two.generate(prompts, GREEDY)]
+        assert [o.token_ids for o in emu.generate(prompts, GREEDY)] == tokens
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="emulate_tp"):
+        LLM(one.path, num_blocks=64, tensor_parallel_size=2, emulate_tp=3)

@@ -16,6 +16,12 @@ class AttentionBackend(ABC):
         with tiles in on-chip memory picks their sizes here); by default itself."""
         return self
 
+    def for_shards(self, n: int) -> "AttentionBackend":
+        """This backend cutting its launches as each of `n` tensor-parallel ranks would (with 1/n of
+        the KV heads), so that one device computes their numerics (`model/cuts.py`); by default
+        itself (a backend whose results do not depend on the head count)."""
+        return self
+
     @abstractmethod
     def prepare(self, plan: AttentionPlan, rotary: Rotary, block_size: int) -> Any:
         """Turn the step's plan into whatever the backend reuses across layers."""

@@ -12,6 +12,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+import torch
+
 from spanserve.model.config import ModelConfig
 
 _LAYER = re.compile(r"model\.layers\.\d+\.(.+)")
@@ -97,3 +99,17 @@ class ShardPlan:
             return dim, self.kv_head0 * per, (self.kv_head0 + self.kv_heads) * per
         n = size // w
         return dim, r * n, (r + 1) * n
+
+    def slice(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """This rank's part of the whole tensor `name` (the tensor itself when not split)."""
+        cut = self.rows(name, t.shape[shard_dim(name) or 0])
+        if cut is None:
+            return t
+        dim, start, stop = cut
+        return self.pad_head(name, t.narrow(dim, start, stop - start))
+
+    def pad_head(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The LM head's shards all have vocab_shard rows (all-gather needs equal sizes)."""
+        if name != "lm_head.weight" or t.shape[0] == self.vocab_shard:
+            return t
+        return torch.cat([t, t.new_zeros(self.vocab_shard - t.shape[0], *t.shape[1:])])

@@ -24,28 +24,12 @@ from spanserve.model.config import ModelConfig
 _PIECES = 64  # random tensors are made of this many pieces along their split dimension
 
 
-def _slice(t: torch.Tensor, plan: ShardPlan, name: str) -> torch.Tensor:
-    cut = plan.rows(name, t.shape[shard_dim(name) or 0])
-    if cut is None:
-        return t
-    dim, start, stop = cut
-    return _pad_head(name, t.narrow(dim, start, stop - start), plan)
-
-
-def _pad_head(name: str, t: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
-    """The LM head's shards all have vocab_shard rows (all-gather needs equal sizes)."""
-    if name != "lm_head.weight" or t.shape[0] == plan.vocab_shard:
-        return t
-    pad = t.new_zeros(plan.vocab_shard - t.shape[0], *t.shape[1:])
-    return torch.cat([t, pad])
-
-
 def _finish(weights: dict[str, torch.Tensor], plan: ShardPlan, dtype: torch.dtype,
             device: torch.device) -> dict[str, torch.Tensor]:
     out = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
     if "lm_head.weight" not in out:  # tied: the head is a slice of the (whole) embedding
         full = weights["model.embed_tokens.weight"]
-        out["lm_head.weight"] = _slice(full, plan, "lm_head.weight").to(device=device, dtype=dtype)
+        out["lm_head.weight"] = plan.slice(full, "lm_head.weight").to(device=device, dtype=dtype)
     return out
 
 
@@ -63,7 +47,7 @@ class MemoryWeights:
         return MemoryWeights(loader.LoadedModel(m.config, {k: v.cpu() for k, v in m.weights.items()}, None, m.source))
 
     def shard(self, plan: ShardPlan, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-        return _finish({k: _slice(v, plan, k) for k, v in self.model.weights.items()}, plan, dtype, device)
+        return _finish({k: plan.slice(v, k) for k, v in self.model.weights.items()}, plan, dtype, device)
 
 
 @dataclass(frozen=True)
@@ -107,7 +91,7 @@ class PathWeights:
                         t = sl[:]
                     else:
                         dim, a, b = cut
-                        t = _pad_head(name, sl[a:b] if dim == 0 else sl[:, a:b], plan)
+                        t = plan.pad_head(name, sl[a:b] if dim == 0 else sl[:, a:b])
                     out[name] = t
         missing = sorted(expected.keys() - out.keys())
         if missing:
@@ -146,7 +130,7 @@ class RandomWeights:
             t = self._range(name, shape, cut, dtype, device)
             if name != "model.embed_tokens.weight":
                 t.mul_(1.0 / math.sqrt(shape[1]))
-            out[name] = _pad_head(name, t, plan)
+            out[name] = plan.pad_head(name, t)
         return _finish(out, plan, dtype, device)
 
     def _range(self, name: str, shape: tuple[int, ...], cut: tuple[int, int, int], dtype: torch.dtype,

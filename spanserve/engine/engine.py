@@ -65,6 +65,7 @@ class LLMEngine:
         tp_on_failure: str = "raise",
         tp_float32_reduce: bool = False,
         tp_peer_sum: bool = True,
+        emulate_tp: int = 1,
         fused_ops: bool | None = None,
         overlap: bool | None = None,
         kv_offload: "OffloadConfig | dict | None" = None,
@@ -84,7 +85,11 @@ class LLMEngine:
         # tensor_parallel_size > 1: worker processes hold the other shards (spanserve.distributed);
         # tp_on_failure: "raise" WorkerDied when one dies, or "exit" the process (a server);
         # tp_float32_reduce: row-parallel partial sums in float32 (bf16 TP tracks TP=1 closely);
-        # tp_peer_sum: short steps' sums through GPU peer memory (distributed/peer_sum.py)
+        # tp_peer_sum: short steps' sums through GPU peer memory (distributed/peer_sum.py);
+        # emulate_tp=N: one device computing bit for bit as N ranks do (model/cuts.py)
+        if emulate_tp < 1 or (tensor_parallel_size > 1 and emulate_tp not in (1, tensor_parallel_size)):
+            raise ValueError(f"emulate_tp={emulate_tp}: give N >= 1 with tensor_parallel_size=1 (one device)")
+        cuts = emulate_tp if tensor_parallel_size == 1 else 1
         self.tp = None
         offload = OffloadConfig.of(kv_offload)
         fingerprint = None
@@ -104,7 +109,7 @@ class LLMEngine:
             self.config = loaded.config
             self.tokenizer = loaded.tokenizer
             # fused_ops: the Triton elementwise kernels; None = on a CUDA device when Triton imports
-            self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, fused=fused_ops)
+            self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, fused=fused_ops, cuts=cuts)
             if offload is not None and offload.enabled:
                 fingerprint = model_fingerprint(loaded.config, loaded.weights, self.dtype, block_size)
             del loaded
@@ -120,7 +125,7 @@ class LLMEngine:
         backend = backend or ReferenceBackend()
         if isinstance(backend, str):  # a name: "triton" or "reference"
             backend = make_backend(backend)
-        backend = backend.sized_for(self.dtype, self.config.head_dim)
+        backend = backend.sized_for(self.dtype, self.config.head_dim).for_shards(cuts)
         if self.tp is not None:
             self.storage = self.tp.storage(num_blocks, block_size, backend, cuda_graphs)
         else:

@@ -92,10 +92,12 @@ class Collectives(Protocol):
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 fused: bool | None = None, group: Collectives | None = None, vocab_size: int | None = None):
+                 fused: bool | None = None, group: Collectives | None = None, vocab_size: int | None = None,
+                 cuts: int = 1):
         """`group`: this model is one rank's shard (`config` has its share of the heads and MLP
         columns; o and down outputs are summed over ranks, the LM head's vocabulary gathered);
-        `vocab_size`: the whole model's, when the LM head holds a padded share of it."""
+        `vocab_size`: the whole model's, when the LM head holds a padded share of it; `cuts` > 1:
+        the whole model computing bit for bit as that many ranks would (`model/cuts.py`)."""
         self.config = config
         self.group = group
         self.vocab_size = vocab_size or config.vocab_size
@@ -108,10 +110,21 @@ class LlamaModel:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             # On CPU copy: loaders may hand out views of memory-mapped files, which page in slowly.
             # On a GPU the tensor is already device memory; a copy would double an 8B model.
-            return weights[name].to(device=self.device, dtype=dtype, copy=self.device.type == "cpu")
+            # Contiguous, so that a GEMM's kernel (and its rounding) follows the shape alone.
+            return weights[name].to(device=self.device, dtype=dtype, copy=self.device.type == "cpu").contiguous()
 
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
+
+        self.cuts = None
+        if cuts > 1:
+            from spanserve.model.cuts import Cuts
+            self.cuts = Cuts(config, cuts)
+
+        def proj(names: list[str]) -> torch.Tensor | list[torch.Tensor]:
+            if self.cuts is None:
+                return torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
+            return self.cuts.pieces(w, names)
 
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
@@ -119,13 +132,15 @@ class LlamaModel:
             a = p + "self_attn."
             bias = None
             if config.attention_bias:
-                bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
+                bias = proj([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
+            elif self.cuts is not None:
+                bias = [None] * cuts
             self.layers.append(_Layer(
-                qkv=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                qkv=proj([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
                 qkv_bias=bias,
-                o=w(a + "o_proj.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                down=w(p + "mlp.down_proj.weight"),
+                o=proj([a + "o_proj.weight"]),
+                gate_up=proj([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=proj([p + "mlp.down_proj.weight"]),
                 input_norm=w(p + "input_layernorm.weight"),
                 post_norm=w(p + "post_attention_layernorm.weight"),
                 q_norm=opt(a + "q_norm.weight") if config.qk_norm else None,
@@ -135,6 +150,8 @@ class LlamaModel:
         self.norm = w("model.norm.weight")
         head = weights.get("lm_head.weight")
         self.lm_head = self.embed if (config.tie_word_embeddings or head is None) else w("lm_head.weight")
+        if self.cuts is not None:  # the ranks' padded vocabulary shards
+            self.lm_head = [plan.slice(self.lm_head, "lm_head.weight").contiguous() for plan in self.cuts.plans]
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, self.device)
         # Logits keep the LM head's float32 accumulator: rounded to bf16 they are multiples of
         # 1/32 near the top of the vocabulary, and greedy picks between exact ties (the lower id)
@@ -175,7 +192,7 @@ class LlamaModel:
             hx = h if idx is None else h[idx]
             T = hx.shape[0]
             x = ops.rms_norm(hx, L.input_norm, c.rms_norm_eps)
-            qkv = F.linear(x, L.qkv, L.qkv_bias)
+            qkv = F.linear(x, L.qkv, L.qkv_bias) if self.cuts is None else self.cuts.qkv(x, L.qkv, L.qkv_bias)
             v = qkv[:, (H + KVH) * D:].view(T, KVH, D)  # a strided view: the KV write takes it as is
             if L.q_norm is not None:
                 q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
@@ -190,8 +207,12 @@ class LlamaModel:
             if hooks is not None:
                 hooks.after_write(i, q, k, v, idx, k_caches[i], v_caches[i])
             attn = backend.attend(prepared, q, k_caches[i], v_caches[i])
-            x, hx = self._add(attn, L.o, hx, L.post_norm)
-            hx = self._add(ops.silu_mul(F.linear(x, L.gate_up)), L.down, hx, None)[1]
+            x, hx = self._add(attn if self.cuts is None else self.cuts.heads(attn), L.o, hx, L.post_norm)
+            if self.cuts is None:
+                act = ops.silu_mul(F.linear(x, L.gate_up))
+            else:
+                act = [ops.silu_mul(F.linear(x, g)) for g in L.gate_up]
+            hx = self._add(act, L.down, hx, None)[1]
             if idx is None:
                 h = hx
             else:
@@ -213,11 +234,17 @@ class LlamaModel:
         return self.ops.add_rms_norm(y, residual, norm, self.config.rms_norm_eps)
 
     def row_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T; on a shard, the partial products summed over ranks (o and down)."""
+        """x @ weight.T; on a shard, the partial products summed over ranks (o and down); with
+        cuts, x and weight are the ranks' pieces."""
+        if self.cuts is not None:
+            return self.cuts.row_sum(x, weight)
         return F.linear(x, weight) if self.group is None else self.group.row_linear(x, weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [n, vocab] of hidden states [n, hidden]."""
+        if self.cuts is not None:
+            parts = [mm_float32(hidden, h.t(), self._head_f32) for h in self.lm_head]
+            return torch.cat(parts, dim=-1)[:, :self.vocab_size].float()
         out = mm_float32(hidden, self.lm_head.t(), self._head_f32)
         if self.group is not None:
             out = self.group.gather_vocab(out, self.vocab_size)

@@ -4,6 +4,7 @@ step graphs, and wraps the KV write and the eager copy-and-rotate used to compar
 with deferred rotation. Which path a step and each of its rows take: `attention/paths.py`."""
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -49,7 +50,7 @@ def _pow2_at_least(x: int, lo: int) -> int:
 class TritonBackend(AttentionBackend):
     def __init__(self, prefill: LaunchConfig = PREFILL, decode: LaunchConfig = DECODE,
                  prerotate_prefill: bool = True, split_programs: int | None = None,
-                 dense_prefill: int | None = None):
+                 dense_prefill: int | None = None, decode_min_tiles: int = 4):
         """`prerotate_prefill`: when some span of the prefill launch rotates, copy its keys
         (rotated) into a contiguous scratch once per layer, instead of rotating Q per span inside
         the kernel.
@@ -57,12 +58,20 @@ class TritonBackend(AttentionBackend):
         many programs (all KV heads together); None = two per SM on CUDA, 0 = never split.
         `dense_prefill`: rows of at least this many queries that attend only to their own new keys
         (a fresh prompt) go to torch's fused attention (`dense.py`) on dense K/V; None = 1024 on
-        CUDA, 0 = never."""
+        CUDA, 0 = never.
+        `decode_min_tiles`: a decode launch's split gives each program at least this many tiles."""
         self.prefill_cfg = prefill
         self.decode_cfg = decode
         self.prerotate_prefill = prerotate_prefill
         self.split_programs = split_programs
         self.dense_prefill = dense_prefill
+        self.decode_min_tiles = decode_min_tiles
+        self.kv_shards = 1  # `for_shards`
+
+    def for_shards(self, n: int) -> "TritonBackend":
+        out = copy.copy(self)
+        out.kv_shards = n
+        return out
 
     def sized_for(self, dtype: torch.dtype, head_dim: int) -> "TritonBackend":
         """The tiles above are tuned for 2-byte types at head_dim 128. Wider rows (float32 at 128:
@@ -76,8 +85,9 @@ class TritonBackend(AttentionBackend):
             return replace(c, block_m=max(16, c.block_m // scale), block_n=max(16, c.block_n // scale),
                            num_stages=min(c.num_stages, 2))
 
-        return TritonBackend(shrink(self.prefill_cfg), shrink(self.decode_cfg), self.prerotate_prefill,
-                             self.split_programs, self.dense_prefill)
+        out = copy.copy(self)
+        out.prefill_cfg, out.decode_cfg = shrink(self.prefill_cfg), shrink(self.decode_cfg)
+        return out
 
     def prepare(self, plan: AttentionPlan, rotary: Rotary, block_size: int) -> StepLayout:
         return build_layout(plan, rotary.inv_freq)
@@ -106,7 +116,8 @@ class TritonBackend(AttentionBackend):
         target = self.split_programs
         if target is None:
             target = 2 * _sm_count(dev) if dev.type == "cuda" else 0
-        return SplitPolicy(-(-target // kvh)) if target else None
+        per_rank = max(1, kvh // self.kv_shards)
+        return SplitPolicy(-(-target // per_rank), decode_min_tiles=self.decode_min_tiles) if target else None
 
     def static_decode(self, batch: int, inv_freq: torch.Tensor, device: torch.device,
                       capacity: int = 1 << 14, kv_heads: int = 1) -> StaticDecode:

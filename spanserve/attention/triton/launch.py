@@ -157,6 +157,7 @@ class SplitPolicy:
     # count: on H100, 16 decode rows x 8 KV heads cut 3 ways (384 programs for 264 resident
     # slots) ran no faster than unsplit, cut 2 ways (256) 2.4% faster.
     round_down: bool = False
+    decode_min_tiles: int = 4  # min_tiles of decode launches (`decode_split`)
 
     def ways(self, n_programs: int, max_tiles: int | None) -> int:
         """max_tiles None: ignore min_tiles, so the ways follow the program count alone (a graph's
@@ -174,7 +175,7 @@ class SplitPolicy:
 
 def decode_split(split: SplitPolicy | None) -> SplitPolicy | None:
     """The policy for decode launches (rows of one or a few queries): the same, rounded down."""
-    return None if split is None else replace(split, round_down=True)
+    return None if split is None else replace(split, round_down=True, min_tiles=split.decode_min_tiles)
 
 
 def _floor_pow2(n: int) -> int:

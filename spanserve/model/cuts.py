@@ -1,0 +1,71 @@
+"""One device computing exactly as N tensor-parallel ranks do: `LLM(..., emulate_tp=N)`.
+
+A bf16 model sharded over N GPUs computes the same function as on one, but rounds differently:
+each rank rounds its partial o/down products before the all-reduce adds them, where one GPU rounds
+the whole dot product once, and cuBLAS picks its kernels (and with them the order of a dot
+product's additions) by shape. Greedy decoding parts at the first near-tie, which a random-weight
+model meets every few tokens. Here every projection runs in the ranks' pieces with the ranks'
+shapes (column-parallel ones per cut, their outputs put back in the whole model's layout;
+row-parallel ones per cut on that cut's columns), and the partial products are added in rank order
+in float32 and rounded once: what NCCL's all-reduce of two ranks and the peer-memory sums
+(`distributed/peer_sum.py`) give. The attention backend splits its launches as a rank with
+KV heads / N heads would (`AttentionBackend.for_shards`). The logits then equal TP=N's bit for bit
+(for N = 2 through NCCL; for more ranks wherever the peer-memory sums carry them, since a ring
+all-reduce adds in an order of its own). It is the reference TP=N is checked against, at some
+cost in speed: more, smaller kernels and the copies that reassemble Q, K and V.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from spanserve.distributed.shard import ShardPlan, check_divisible
+from spanserve.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """The whole model's shapes cut over `n` ranks (`plans[r]`: rank r's slices)."""
+
+    config: ModelConfig
+    n: int
+
+    def __post_init__(self) -> None:
+        check_divisible(self.config, self.n)
+        if self.config.num_kv_heads % self.n:
+            raise ValueError(f"emulate_tp={self.n} needs the KV heads ({self.config.num_kv_heads}) split "
+                             "evenly over the ranks; replicated KV heads are not emulated")
+
+    @property
+    def plans(self) -> list[ShardPlan]:
+        return [ShardPlan(self.config, r, self.n) for r in range(self.n)]
+
+    def pieces(self, get: Callable[[str], torch.Tensor], names: list[str]) -> list[torch.Tensor]:
+        """Per rank: its slices of the named whole tensors, stacked along the outputs."""
+        return [torch.cat([p.slice(get(n), n) for n in names]).contiguous() for p in self.plans]
+
+    def qkv(self, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
+        """The fused q/k/v projection, each rank's [q_r, k_r, v_r] computed alone, returned in the
+        whole model's [q, k, v] column layout."""
+        c = self.config
+        hq, hk = c.num_heads // self.n * c.head_dim, c.num_kv_heads // self.n * c.head_dim
+        outs = [F.linear(x, w, b) for w, b in zip(weights, biases)]
+        return torch.cat([o[:, :hq] for o in outs] + [o[:, hq:hq + hk] for o in outs]
+                         + [o[:, hq + hk:] for o in outs], dim=1)
+
+    def heads(self, attn: torch.Tensor) -> list[torch.Tensor]:
+        """Attention output [T, H * D] as each rank holds it: its heads' columns, contiguous."""
+        return [part.contiguous() for part in attn.chunk(self.n, dim=1)]
+
+    @staticmethod
+    def row_sum(xs: list[torch.Tensor], weights: list[torch.Tensor]) -> torch.Tensor:
+        """Sum over ranks of x_r @ w_r.T: each partial rounded to the working dtype (as a rank's
+        GEMM rounds it), then added in rank order in float32 and rounded once."""
+        parts = [F.linear(x, w) for x, w in zip(xs, weights)]
+        acc = parts[0].float()
+        for p in parts[1:]:
+            acc = acc + p.float()
+        return acc.to(parts[0].dtype)
