@@ -2,7 +2,8 @@
 
 Default (Llama-3-8B shape):
 1. greedy tokens of TP=2 against TP=1 on span layouts (cold, then warm with the documents at new
-   positions), for --greedy-tokens tokens, with the row-parallel sums in bf16 and in float32;
+   positions), for --greedy-tokens tokens, with the row-parallel sums in bf16 and in float32, and
+   TP=2's against TP=1 emulating TP=2 (`emulate_tp=2`, which must give them bit for bit);
 2. prefill of --prefill plain tokens, and decode at batch 1 and batch 64: TP=1 and TP=2 side by
    side (the engines one after the other in this process).
 
@@ -58,22 +59,18 @@ class Run:
         if self.dev == "cuda":
             torch.cuda.synchronize()
 
-    def backend(self, split_scale: int = 1) -> Any:
-        """split_scale: the attention split's per-KV-head program target times this (2 at TP=1 cuts
-        rows as TP=2's ranks do, with half the KV heads each)."""
+    def backend(self, v: "Variant") -> Any:
         if self.dev != "cuda":
             return None  # the reference backend (Triton's CPU interpreter is too slow for a dry run)
         from spanserve.attention.triton import TritonBackend
-        if split_scale == 1:
-            return TritonBackend()
-        # the backend's default target is two programs per SM (TritonBackend.split_programs=None)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        return TritonBackend(split_programs=2 * sms * split_scale)
+        tiles = self.args.decode_min_tiles if v.decode_min_tiles is None else v.decode_min_tiles
+        # split_scale 2: TP=1 cuts its attention launches as TP=2's ranks do (half the KV heads each)
+        return TritonBackend(decode_min_tiles=tiles).for_shards(v.split_scale)
 
     def engine(self, config: ModelConfig, v: "Variant", **kw: Any) -> LLMEngine:
         t0 = time.perf_counter()
         eng = LLMEngine(RandomWeights(config, seed=self.args.seed), device=self.dev, dtype=self.dtype,
-                        backend=self.backend(v.split_scale), tensor_parallel_size=v.tp,
+                        backend=self.backend(v), tensor_parallel_size=v.tp, emulate_tp=v.emulate,
                         tp_float32_reduce=v.float32_reduce, overlap=v.overlap, tp_peer_sum=v.peer_sum,
                         cuda_graphs=not self.args.no_graphs and "auto", **kw)
         print(f"{v.name}: engine up in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -164,13 +161,19 @@ class Variant:
     split_scale: int = 1
     overlap: bool | None = None  # None: the engine's default (decode steps chained on the device)
     peer_sum: bool = True  # short steps' sums through GPU peer memory (where available)
+    emulate: int = 1  # TP=1 computing as this many ranks do (emulate_tp)
+    decode_min_tiles: int | None = None  # None: --decode-min-tiles
+    timed: bool = True  # False: greedy tokens only
 
 
 VARIANTS = {"tp1": Variant("TP=1", 1), "tp2": Variant("TP=2", 2), "tp2f32": Variant("TP=2 f32-reduce", 2, True),
             "tp1split": Variant("TP=1, TP=2's attention split", 1, split_scale=2),
             "tp1step": Variant("TP=1 unchained", 1, overlap=False),
             "tp2step": Variant("TP=2 unchained", 2, overlap=False),
-            "tp2nccl": Variant("TP=2 NCCL sums", 2, peer_sum=False)}
+            "tp2nccl": Variant("TP=2 NCCL sums", 2, peer_sum=False),
+            "tp1emu": Variant("TP=1 emulating TP=2", 1, emulate=2, timed=False),
+            "tp1tiles4": Variant("TP=1, decode splits of >= 4 tiles", 1, decode_min_tiles=4),
+            "tp2tiles4": Variant("TP=2, decode splits of >= 4 tiles", 2, decode_min_tiles=4)}
 
 
 def _gap(top: dict[int, float]) -> float:
@@ -200,7 +203,7 @@ def shape_8b(run: Run) -> None:
         chained_steps = eng.chained_steps - steps0
         print(f"{name}: {chained_steps} decode steps chained on the device; their tokens equal the unchained "
               f"pass's: {chained[name] == tokens[name]}", flush=True)
-        res[name] = {} if args.skip_timing else run.timings(eng, cfg.vocab_size)
+        res[name] = run.timings(eng, cfg.vocab_size) if v.timed and not args.skip_timing else {}
         run.close(eng)
         del eng  # gone before the next engine loads
         gc.collect()
@@ -213,12 +216,17 @@ def shape_8b(run: Run) -> None:
         at = [f"{g[n]:.3g}" if n < len(g) else "-" for g, n in zip(base_gaps, same)]
         rows.append((f"{v.name} (3 layouts, cold then warm)", " / ".join(f"{n}" for n in same) + f" of {args.greedy_tokens}",
                      all(n == args.greedy_tokens for n in same), " / ".join(at)))
+    emulated = "TP=1 emulating TP=2"
+    if emulated in tokens and "TP=2" in tokens:  # the bitwise reference of TP=2's numerics
+        same = [first_difference(a, b) for a, b in zip(tokens["TP=2"], tokens[emulated])]
+        rows.append((f"TP=2 against {emulated}", " / ".join(f"{n}" for n in same) + f" of {args.greedy_tokens}",
+                     all(n == args.greedy_tokens for n in same), "-"))
     print(format_table(["greedy tokens against TP=1", "equal", "all", "TP=1's top-2 gap where they part"], rows))
     print("TP=1's smallest top-2 logprob gap per layout: " + " / ".join(f"{min(g):.3g}" for g in base_gaps))
     table = []
     if not args.skip_timing:
         base = res["TP=1"]
-        names = [v.name for v in variants]
+        names = [v.name for v in variants if res[v.name]]
         metrics = [("prefill_s", f"prefill {args.prefill} tokens, tokens/s", lambda s: args.prefill / s)]
         metrics += [(f"decode_b{b}_s", f"decode batch {b} at {args.context} tokens, ms/step", lambda s: s * 1e3)
                     for b in args.batches]
@@ -295,7 +303,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--variants", nargs="+", choices=[k for k in VARIANTS if k != "tp1"], default=["tp2", "tp2f32"],
                     help="engines run after TP=1: TP=2, TP=2 with float32 sums, TP=1 with TP=2's attention split "
                          "(a control), TP=1 and TP=2 taking decode steps one at a time (no chaining on the device), "
-                         "TP=2 with every sum through NCCL (no peer memory)")
+                         "TP=2 with every sum through NCCL (no peer memory), TP=1 emulating TP=2's numerics, "
+                         "TP=1 and TP=2 with decode splits of at least 4 tiles")
+    ap.add_argument("--decode-min-tiles", type=int, default=1,
+                    help="the Triton backend's decode_min_tiles (the variants *tiles4 set 4)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--out", help="8B: the JSON's name under benchmarks/results (default tp_gpu.json)")
     ap.add_argument("--skip-timing", action="store_true", help="8B: greedy checks only")
