@@ -121,7 +121,7 @@ def floor_ms(eng: LLMEngine, step: Any, n: int, cuda: bool) -> float:
     return 1e3 * (time.perf_counter() - t0) / n
 
 
-KERNEL_FAMILIES = [("nccl", "collectives (NCCL)"), ("splitkreduce", "GEMM"), ("gemv", "GEMM"), ("gemm", "GEMM"),
+KERNEL_FAMILIES = [("nccl", "collectives (NCCL)"), ("peer_sum", "sums (peer memory)"), ("splitkreduce", "GEMM"), ("gemv", "GEMM"), ("gemm", "GEMM"),
                    ("sm90", "GEMM"), ("cutlass", "GEMM"), ("attention", "attention"), ("decode", "attention"),
                    ("combine", "attention"), ("rms", "norms"), ("rotary", "rotary"), ("silu", "silu*up"),
                    ("write", "KV write"), ("copy", "copies"), ("elementwise", "elementwise"), ("", "other")]
