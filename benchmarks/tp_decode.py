@@ -64,6 +64,9 @@ class Phases:
             def pick(self, *a: Any, **kw: Any) -> Any:  # chained steps pick on the device
                 return phases._time("sampler", lambda: inner.pick(*a, **kw))
 
+            def __getattr__(self, name: str) -> Any:  # the rest of the sampler, untimed
+                return getattr(inner, name)
+
         eng.sampler = TimedSampler()  # type: ignore[assignment]
 
     def _time(self, name: str, fn: Callable[[], Any]) -> Any:

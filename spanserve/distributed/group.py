@@ -7,6 +7,7 @@ import datetime
 import os
 import pickle
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,10 +92,10 @@ class TPGroup:
         dist.all_reduce(x)
         return x
 
-    def row_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks of x @ weight.T (this rank's input columns)."""
+    def row_linear(self, x: torch.Tensor, weight: torch.Tensor, linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
+        """Sum over ranks of linear(x, weight) = x @ weight.T (this rank's input columns)."""
         if not self.float32_reduce or x.dtype == torch.float32:
-            return self.all_reduce(F.linear(x, weight))
+            return self.all_reduce(linear(x, weight))
         part = self.all_reduce(mm_float32(x.reshape(-1, x.shape[-1]), weight.t(), self._native_f32))
         return part.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 

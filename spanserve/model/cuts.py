@@ -47,12 +47,13 @@ class Cuts:
         """Per rank: its slices of the named whole tensors, stacked along the outputs."""
         return [torch.cat([p.slice(get(n), n) for n in names]).contiguous() for p in self.plans]
 
-    def qkv(self, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+            linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
         """The fused q/k/v projection, each rank's [q_r, k_r, v_r] computed alone, returned in the
         whole model's [q, k, v] column layout."""
         c = self.config
         hq, hk = c.num_heads // self.n * c.head_dim, c.num_kv_heads // self.n * c.head_dim
-        outs = [F.linear(x, w, b) for w, b in zip(weights, biases)]
+        outs = [linear(x, w, b) for w, b in zip(weights, biases)]
         return torch.cat([o[:, :hq] for o in outs] + [o[:, hq:hq + hk] for o in outs]
                          + [o[:, hq + hk:] for o in outs], dim=1)
 
@@ -61,10 +62,11 @@ class Cuts:
         return [part.contiguous() for part in attn.chunk(self.n, dim=1)]
 
     @staticmethod
-    def row_sum(xs: list[torch.Tensor], weights: list[torch.Tensor]) -> torch.Tensor:
+    def row_sum(xs: list[torch.Tensor], weights: list[torch.Tensor],
+                linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
         """Sum over ranks of x_r @ w_r.T: each partial rounded to the working dtype (as a rank's
         GEMM rounds it), then added in rank order in float32 and rounded once."""
-        parts = [F.linear(x, w) for x, w in zip(xs, weights)]
+        parts = [linear(x, w) for x, w in zip(xs, weights)]
         acc = parts[0].float()
         for p in parts[1:]:
             acc = acc + p.float()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -73,12 +74,22 @@ def _ops(fused: bool | None, device: torch.device) -> object:
     return ops
 
 
+def _linears(kernels: bool) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """(x @ w.T, the same with a float32 result): with `kernels`, single rows go to the Triton
+    matrix-vector kernel (spanserve.model.gemv)."""
+    if kernels:
+        from spanserve.model import gemv
+        return gemv.linear, gemv.linear_float32
+    return F.linear, lambda x, w, native: mm_float32(x, w.t(), native)
+
+
 class Collectives(Protocol):
     """What a tensor-parallel shard of the model needs from its process group."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    def row_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+    def row_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                   linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor: ...
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor: ...
 
@@ -104,6 +115,7 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.ops = _ops(fused, self.device)
+        self.linear, self.linear_float32 = _linears(self.ops is not _Eager and self.device.type == "cuda")
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -182,6 +194,11 @@ class LlamaModel:
             prepared = backend.prepare(plan, self.rotary, block_size)
         cos, sin = cos_all, sin_all
         ops = self.ops
+        # Without recomputation hooks (which may shrink the active rows between layers) the MLP's
+        # sum applies the next layer's input norm (the final norm after the last layer): one kernel
+        # instead of two per layer, the same bits.
+        chain_norms = hooks is None
+        x: torch.Tensor | None = None  # this layer's normed input, when the last sum made it
         for i, L in enumerate(self.layers):
             new_idx = hooks.active(i) if hooks is not None else None
             if new_idx is not idx:  # the active set shrank: a sub-plan for the remaining tokens
@@ -191,8 +208,12 @@ class LlamaModel:
                 cos, sin = (cos_all, sin_all) if idx is None else (cos_all[idx], sin_all[idx])
             hx = h if idx is None else h[idx]
             T = hx.shape[0]
-            x = ops.rms_norm(hx, L.input_norm, c.rms_norm_eps)
-            qkv = F.linear(x, L.qkv, L.qkv_bias) if self.cuts is None else self.cuts.qkv(x, L.qkv, L.qkv_bias)
+            if x is None:
+                x = ops.rms_norm(hx, L.input_norm, c.rms_norm_eps)
+            if self.cuts is None:
+                qkv = self.linear(x, L.qkv, L.qkv_bias)
+            else:
+                qkv = self.cuts.qkv(x, L.qkv, L.qkv_bias, self.linear)
             v = qkv[:, (H + KVH) * D:].view(T, KVH, D)  # a strided view: the KV write takes it as is
             if L.q_norm is not None:
                 q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
@@ -209,15 +230,16 @@ class LlamaModel:
             attn = backend.attend(prepared, q, k_caches[i], v_caches[i])
             x, hx = self._add(attn if self.cuts is None else self.cuts.heads(attn), L.o, hx, L.post_norm)
             if self.cuts is None:
-                act = ops.silu_mul(F.linear(x, L.gate_up))
+                act = ops.silu_mul(self.linear(x, L.gate_up))
             else:
-                act = [ops.silu_mul(F.linear(x, g)) for g in L.gate_up]
-            hx = self._add(act, L.down, hx, None)[1]
+                act = [ops.silu_mul(self.linear(x, g)) for g in L.gate_up]
+            nxt = (self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm) if chain_norms else None
+            x, hx = self._add(act, L.down, hx, nxt)
             if idx is None:
                 h = hx
             else:
                 h[idx] = hx
-        return ops.rms_norm(h, self.norm, c.rms_norm_eps)
+        return x if x is not None else ops.rms_norm(h, self.norm, c.rms_norm_eps)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.group is None else self.group.all_reduce(x)
@@ -227,7 +249,7 @@ class LlamaModel:
         """(rms_norm(h) * norm or None, h) with h = residual + x @ weight.T (on a shard: summed
         over ranks, through peer memory with the add and norm fused where the group can)."""
         if self.group is not None and self.group.fuses(residual):
-            return self.group.reduce_add(F.linear(x, weight), residual, norm, self.config.rms_norm_eps)
+            return self.group.reduce_add(self.linear(x, weight), residual, norm, self.config.rms_norm_eps)
         y = self.row_linear(x, weight)
         if norm is None:
             return None, residual + y
@@ -237,15 +259,15 @@ class LlamaModel:
         """x @ weight.T; on a shard, the partial products summed over ranks (o and down); with
         cuts, x and weight are the ranks' pieces."""
         if self.cuts is not None:
-            return self.cuts.row_sum(x, weight)
-        return F.linear(x, weight) if self.group is None else self.group.row_linear(x, weight)
+            return self.cuts.row_sum(x, weight, self.linear)
+        return self.linear(x, weight) if self.group is None else self.group.row_linear(x, weight, self.linear)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [n, vocab] of hidden states [n, hidden]."""
         if self.cuts is not None:
-            parts = [mm_float32(hidden, h.t(), self._head_f32) for h in self.lm_head]
+            parts = [self.linear_float32(hidden, h, self._head_f32) for h in self.lm_head]
             return torch.cat(parts, dim=-1)[:, :self.vocab_size].float()
-        out = mm_float32(hidden, self.lm_head.t(), self._head_f32)
+        out = self.linear_float32(hidden, self.lm_head, self._head_f32)
         if self.group is not None:
             out = self.group.gather_vocab(out, self.vocab_size)
         return out.float()
