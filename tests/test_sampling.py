@@ -381,3 +381,15 @@ def test_uniforms_seeded_rows_own_stream_unseeded_rows_one_global_fill() -> None
                 want = torch.empty(v, dtype=torch.float64).uniform_(generator=make_generator(s))
                 assert torch.equal(got[i], want)
         assert torch.equal(got[free], want_free)
+
+
+def test_argmax_rows_picks_the_first_maximum_as_argmax_does():
+    from spanserve.engine.sampling import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    for V in (128256, 49152, 1000, 97):  # 97: prime, no even cut (plain argmax)
+        for B in (1, 3, 9):
+            x = torch.randint(-3, 4, (B, V), generator=g).float()  # many ties at the maximum
+            assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+            x = torch.randn(B, V, generator=g)
+            assert torch.equal(argmax_rows(x), x.argmax(dim=-1))

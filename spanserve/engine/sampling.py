@@ -244,6 +244,18 @@ def _prefix_cut(sorted_desc: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.T
     return sorted_desc.gather(1, n_keep - 1), n_keep[:, 0] < sorted_desc.shape[-1]
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of [B, V] (the first index of the maximum), in two passes over about
+    sqrt(V) chunks: on a GPU one row's single reduction over 128k logits took ~30 us."""
+    B, V = x.shape
+    c = next((d for d in range(math.isqrt(V), 31, -1) if V % d == 0), 0)
+    if B > 8 or not c:  # many rows fill the GPU already; or no even cut
+        return x.argmax(dim=-1)
+    best, at = x.view(B, c, V // c).max(dim=-1)  # the first maximum of each chunk
+    chunk = best.argmax(dim=-1, keepdim=True)  # the first chunk holding the row's maximum
+    return (chunk * (V // c) + at.gather(1, chunk))[:, 0]
+
+
 def filtered_probs(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The float32 distribution [V] the sampler draws from for one row of logits [V].
 
@@ -323,7 +335,7 @@ class Sampler:
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         if len(greedy_rows) == batch:
             # the whole batch: indexing by a list of rows would copy that list to the device
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled_rows) == batch:
             return self._sample(logits, params, generators)
