@@ -69,13 +69,11 @@ def _peer_sum_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, sum_words_ptr, buf
             lo, hi = _halves(xw, DT)
         else:
             src = mine + ((slot + r) * ROWS + p).to(tl.int64) * P + i
-            # Poll until every word carries this epoch (only a scalar crosses iterations: Triton
-            # 3.6 fails to compile loops that carry tensors here), then read the row once more.
-            ready = tl.zeros([], dtype=tl.int32)
-            while ready == 0:
-                seen = tl.load(src, mask=m, other=0, volatile=True)
-                ready = tl.min((((seen >> 32).to(tl.uint32) == e.to(tl.uint32)) | (i >= P)).to(tl.int32), axis=0)
             got = tl.load(src, mask=m, other=0, volatile=True)
+            ready = ((got >> 32).to(tl.uint32) == e.to(tl.uint32)) | (i >= P)
+            while tl.min(ready.to(tl.int32), axis=0) == 0:
+                got = tl.load(src, mask=m, other=0, volatile=True)
+                ready = ((got >> 32).to(tl.uint32) == e.to(tl.uint32)) | (i >= P)
             lo, hi = _halves(got.to(tl.uint32), DT)
         acc_lo += lo
         acc_hi += hi
