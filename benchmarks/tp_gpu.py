@@ -305,8 +305,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(a control), TP=1 and TP=2 taking decode steps one at a time (no chaining on the device), "
                          "TP=2 with every sum through NCCL (no peer memory), TP=1 emulating TP=2's numerics, "
                          "TP=1 and TP=2 with decode splits of at least 4 tiles")
-    ap.add_argument("--decode-min-tiles", type=int, default=1,
-                    help="the Triton backend's decode_min_tiles (the variants *tiles4 set 4)")
+    ap.add_argument("--decode-min-tiles", type=int, default=4,
+                    help="the Triton backend's decode_min_tiles (its default; the variants *tiles4 set 4)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--out", help="8B: the JSON's name under benchmarks/results (default tp_gpu.json)")
     ap.add_argument("--skip-timing", action="store_true", help="8B: greedy checks only")
