@@ -142,3 +142,29 @@ def random_model(config: ModelConfig, device: str | torch.device = "cuda", dtype
             t.mul_(1.0 / math.sqrt(shape[1]))
         weights[name] = t
     return LoadedModel(config=config, weights=weights, tokenizer=None, source=config.name or "random")
+
+
+def graph_us(fn: Callable[[int], Any], n: int, reps: int = 20) -> float:
+    """Median microseconds per call of fn(i), i in range(n), captured once as a CUDA graph of the
+    n calls and replayed `reps` times (warmed up on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(n):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / n)
+    return median(times)

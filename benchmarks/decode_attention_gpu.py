@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from common import format_table, write_json
+from common import format_table, graph_us, write_json
 
 from spanserve.attention.plan import AttentionPlan, Row
 from spanserve.attention.reference import ReferenceBackend
@@ -24,29 +24,6 @@ from spanserve.rope import Rotary
 G, D, BS, LAYERS = 4, 128, 16, 32
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
-
-
-def graph_us(fn, reps: int = 30) -> float:
-    """Microseconds per layer of fn(layer) for LAYERS layers replayed as one graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(LAYERS):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(LAYERS):
-            fn(i)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / LAYERS)
-    return sorted(times)[len(times) // 2]
 
 
 def main(argv: list[str]) -> None:
@@ -78,7 +55,7 @@ def main(argv: list[str]) -> None:
                 got = tb.attend(lay, q, kcs[0], vcs[0]).float()
                 err = ((got - want).norm() / want.norm()).item()
                 ways = tb.launches(lay, G, kvh)[0].split
-                us = graph_us(lambda i, tb=tb, lay=lay: tb.attend(lay, q, kcs[i], vcs[i]))
+                us = graph_us(lambda i, tb=tb, lay=lay: tb.attend(lay, q, kcs[i], vcs[i]), LAYERS, reps=30)
                 entry[f"min_tiles {mt}"] = {"us": us, "ways": ways, "rel_err": err, "ok": err < 1e-2}
                 rows.append((f"{kvh} KV heads, {n} keys", mt, ways, f"{us:.2f}", f"{err:.1e}"))
             res[f"kvh {kvh}, {n} keys"] = entry

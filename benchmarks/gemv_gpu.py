@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from common import format_table, write_json
+from common import format_table, graph_us, write_json
 
 from spanserve.model.gemv import GemvConfig, gemv
 
@@ -25,31 +25,6 @@ CONFIGS = [GemvConfig(2, 1024, 4, 2), GemvConfig(4, 1024, 4, 2), GemvConfig(8, 5
            GemvConfig(1, 2048, 4, 2), GemvConfig(2, 2048, 4, 2), GemvConfig(2, 2048, 8, 2), GemvConfig(2, 1024, 4, 1),
            GemvConfig(2, 1024, 4, 3), GemvConfig(2, 1024, 2, 2), GemvConfig(4, 2048, 8, 2)]
 COPIES = 32
-
-
-def graph_time(fn, copies: int, reps: int = 20) -> float:
-    """Microseconds per call of fn(i) over the copies, replayed as one graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(copies):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(copies):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / copies)
-    return sorted(times)[len(times) // 2]
 
 
 def main(argv: list[str]) -> None:
@@ -65,7 +40,7 @@ def main(argv: list[str]) -> None:
         xs = [torch.randn(1, K, generator=gen, device=dev).to(dt) for _ in range(n)]
         ref = (xs[0].double() @ ws[0].double().t())
         gb = N * K * 2 / 1e9
-        entry = {"cublas_us": graph_time(lambda i: torch.nn.functional.linear(xs[i], ws[i]), n)}
+        entry = {"cublas_us": graph_us(lambda i: torch.nn.functional.linear(xs[i], ws[i]), n)}
         cub_err = ((torch.nn.functional.linear(xs[0], ws[0]).double() - ref).norm() / ref.norm()).item()
         entry["cublas_rel_err"] = cub_err
         best = None
@@ -75,7 +50,7 @@ def main(argv: list[str]) -> None:
             y = gemv(xs[0], ws[0], cfg)
             err = ((y.double() - ref).norm() / ref.norm()).item()
             ok = err < 1e-2 and torch.isfinite(y).all().item()
-            t = graph_time(lambda i, cfg=cfg: gemv(xs[i], ws[i], cfg), n)
+            t = graph_us(lambda i, cfg=cfg: gemv(xs[i], ws[i], cfg), n)
             key = f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
             entry[key] = {"us": t, "rel_err": err, "ok": ok}
             if ok and (best is None or t < best[1]):
