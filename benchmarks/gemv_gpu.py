@@ -61,16 +61,6 @@ def main(argv: list[str]) -> None:
             whole = gemv(xs[0], ws[0], cfg0)
             half = gemv(xs[0], ws[0][: N // 2].contiguous(), cfg0)
             entry["shard_rows_bitwise_equal"] = bool(torch.equal(whole[:, : N // 2], half))
-        if name.startswith("down"):  # the SiLU-gated product against the SiLU kernel + the plain one
-            from spanserve.model import fused
-            gus = [torch.randn(1, 2 * K, generator=gen, device=dev).to(dt) for _ in range(n)]
-            same = torch.equal(gemv(gus[0], ws[0], gated=True), gemv(fused.silu_mul(gus[0]), ws[0]))
-            entry["gated"] = {"bitwise_equal_to_silu_mul_then_gemv": bool(same),
-                              "gated_us": graph_us(lambda i: gemv(gus[i], ws[i], gated=True), n),
-                              "silu_mul_then_gemv_us": graph_us(lambda i: gemv(fused.silu_mul(gus[i]), ws[i]), n)}
-            g = entry["gated"]
-            rows.append((f"{name}, SiLU-gated", f"{N}x{K}", "", "", f"{g['silu_mul_then_gemv_us']:.2f} (SiLU + kernel)",
-                         "gated", f"{g['gated_us']:.2f}", "", "", f"bitwise {same}"))
         res[name] = entry
         c = entry["cublas_us"]
         d = entry[key0 := "2x1024 w4 s2"]["us"]

@@ -9,7 +9,6 @@ launch, and a row's result depends only on K and the tile shape: a column-parall
 equal the unsharded matrix's bit for bit."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,19 +20,14 @@ from spanserve.model.layers import mm_float32
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     for k in range(0, K, BLOCK_K):
-        if GATED:  # x is [gate | up]: the SiLU-gated product, rounded as fused.silu_mul rounds it
-            g = tl.load(x_ptr + k + cols).to(tl.float32)
-            u = tl.load(x_ptr + K + k + cols).to(tl.float32)
-            x = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            x = tl.load(x_ptr + k + cols).to(tl.float32)
+        x = tl.load(x_ptr + k + cols).to(tl.float32)
         w = tl.load(w_rows + k + cols[None, :], mask=rmask[:, None], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rmask)
@@ -52,25 +46,21 @@ class GemvConfig:
 DEFAULT = GemvConfig()
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig = DEFAULT, out_dtype: torch.dtype | None = None,
-         gated: bool = False) -> torch.Tensor:
-    """x [1, K] @ w[N, K].T -> [1, N]; K a multiple of cfg.block_k, both contiguous. `gated`: x is
-    [1, 2K], a gate_up projection's output, and the product is silu(gate) * up @ w.T (the SiLU
-    kernel's work done while W streams in)."""
+def gemv(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig = DEFAULT, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [1, K] @ w[N, K].T -> [1, N]; K a multiple of cfg.block_k, both contiguous."""
     N, K = w.shape
-    assert x.shape == (1, 2 * K if gated else K) and x.is_contiguous() and w.is_contiguous() and K % cfg.block_k == 0
+    assert x.shape == (1, K) and x.is_contiguous() and w.is_contiguous() and K % cfg.block_k == 0
     y = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](x, w, y, N, K, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                                 GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
-def fits(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig = DEFAULT, gated: bool = False) -> bool:
+def fits(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig = DEFAULT) -> bool:
     """Whether `linear` takes the kernel: one row of a 2-byte type on a GPU, K a whole number of tiles."""
-    K = w.shape[1]
     return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and w.dtype == x.dtype and x.is_contiguous() and w.is_contiguous()
-            and x.shape[1] == (2 * K if gated else K) and K % cfg.block_k == 0)
+            and w.dtype == x.dtype and x.is_contiguous() and w.is_contiguous() and x.shape[1] == w.shape[1]
+            and x.shape[1] % cfg.block_k == 0)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,13 +68,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if bias is None and fits(x, w):
         return gemv(x, w)
     return F.linear(x, w, bias)
-
-
-def gated_linear(gate_up: torch.Tensor, w: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """linear(silu_mul(gate_up), w), in one kernel for a single row."""
-    if fits(gate_up, w, gated=True):
-        return gemv(gate_up, w, gated=True)
-    return linear(silu_mul(gate_up), w)
 
 
 def linear_float32(x: torch.Tensor, w: torch.Tensor, native: bool) -> torch.Tensor:

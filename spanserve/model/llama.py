@@ -74,14 +74,13 @@ def _ops(fused: bool | None, device: torch.device) -> object:
     return ops
 
 
-def _linears(kernels: bool, ops: object) -> tuple[Callable[..., torch.Tensor], ...]:
-    """(x @ w.T, the same with a float32 result, silu_mul(gate_up) @ w.T): with `kernels`, single
-    rows go to the Triton matrix-vector kernel (spanserve.model.gemv), which also gates."""
+def _linears(kernels: bool) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """(x @ w.T, the same with a float32 result): with `kernels`, single rows go to the Triton
+    matrix-vector kernel (spanserve.model.gemv)."""
     if kernels:
         from spanserve.model import gemv
-        return gemv.linear, gemv.linear_float32, lambda gu, w: gemv.gated_linear(gu, w, ops.silu_mul)
-    return (F.linear, lambda x, w, native: mm_float32(x, w.t(), native),
-            lambda gu, w: F.linear(ops.silu_mul(gu), w))
+        return gemv.linear, gemv.linear_float32
+    return F.linear, lambda x, w, native: mm_float32(x, w.t(), native)
 
 
 class Collectives(Protocol):
@@ -116,8 +115,7 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.ops = _ops(fused, self.device)
-        self.linear, self.linear_float32, self.gated_linear = _linears(
-            self.ops is not _Eager and self.device.type == "cuda", self.ops)
+        self.linear, self.linear_float32 = _linears(self.ops is not _Eager and self.device.type == "cuda")
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -231,9 +229,12 @@ class LlamaModel:
                 hooks.after_write(i, q, k, v, idx, k_caches[i], v_caches[i])
             attn = backend.attend(prepared, q, k_caches[i], v_caches[i])
             x, hx = self._add(attn if self.cuts is None else self.cuts.heads(attn), L.o, hx, L.post_norm)
-            gate_up = self.linear(x, L.gate_up) if self.cuts is None else [self.linear(x, g) for g in L.gate_up]
+            if self.cuts is None:
+                act = ops.silu_mul(self.linear(x, L.gate_up))
+            else:
+                act = [ops.silu_mul(self.linear(x, g)) for g in L.gate_up]
             nxt = (self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm) if chain_norms else None
-            x, hx = self._add(gate_up, L.down, hx, nxt, gated=True)
+            x, hx = self._add(act, L.down, hx, nxt)
             if idx is None:
                 h = hx
             else:
@@ -243,29 +244,23 @@ class LlamaModel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.group is None else self.group.all_reduce(x)
 
-    def _add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor | None,
-             gated: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+             norm: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(rms_norm(h) * norm or None, h) with h = residual + x @ weight.T (on a shard: summed
-        over ranks, through peer memory with the add and norm fused where the group can);
-        `gated`: x is the MLP's gate_up output and silu(gate) * up takes its place."""
-        linear = self.gated_linear if gated else self.linear
+        over ranks, through peer memory with the add and norm fused where the group can)."""
         if self.group is not None and self.group.fuses(residual):
-            return self.group.reduce_add(linear(x, weight), residual, norm, self.config.rms_norm_eps)
-        if gated and self.group is not None:  # NCCL sums (maybe of float32 partials) take the product
-            x, linear = self.ops.silu_mul(x), self.linear
-        y = self.row_linear(x, weight, linear)
+            return self.group.reduce_add(self.linear(x, weight), residual, norm, self.config.rms_norm_eps)
+        y = self.row_linear(x, weight)
         if norm is None:
             return None, residual + y
         return self.ops.add_rms_norm(y, residual, norm, self.config.rms_norm_eps)
 
-    def row_linear(self, x: torch.Tensor, weight: torch.Tensor,
-                   linear: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
-        """linear(x, weight) (x @ weight.T by default); on a shard, the partial products summed over
-        ranks (o and down); with cuts, x and weight are the ranks' pieces."""
-        linear = linear or self.linear
+    def row_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T; on a shard, the partial products summed over ranks (o and down); with
+        cuts, x and weight are the ranks' pieces."""
         if self.cuts is not None:
-            return self.cuts.row_sum(x, weight, linear)
-        return linear(x, weight) if self.group is None else self.group.row_linear(x, weight, linear)
+            return self.cuts.row_sum(x, weight, self.linear)
+        return self.linear(x, weight) if self.group is None else self.group.row_linear(x, weight, self.linear)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [n, vocab] of hidden states [n, hidden]."""
