@@ -172,8 +172,8 @@ VARIANTS = {"tp1": Variant("TP=1", 1), "tp2": Variant("TP=2", 2), "tp2f32": Vari
             "tp2step": Variant("TP=2 unchained", 2, overlap=False),
             "tp2nccl": Variant("TP=2 NCCL sums", 2, peer_sum=False),
             "tp1emu": Variant("TP=1 emulating TP=2", 1, emulate=2, timed=False),
-            "tp1tiles4": Variant("TP=1, decode splits of >= 4 tiles", 1, decode_min_tiles=4),
-            "tp2tiles4": Variant("TP=2, decode splits of >= 4 tiles", 2, decode_min_tiles=4)}
+            "tp1tiles1": Variant("TP=1, decode splits of >= 1 tile", 1, decode_min_tiles=1),
+            "tp2tiles1": Variant("TP=2, decode splits of >= 1 tile", 2, decode_min_tiles=1)}
 
 
 def _gap(top: dict[int, float]) -> float:
@@ -304,9 +304,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="engines run after TP=1: TP=2, TP=2 with float32 sums, TP=1 with TP=2's attention split "
                          "(a control), TP=1 and TP=2 taking decode steps one at a time (no chaining on the device), "
                          "TP=2 with every sum through NCCL (no peer memory), TP=1 emulating TP=2's numerics, "
-                         "TP=1 and TP=2 with decode splits of at least 4 tiles")
+                         "TP=1 and TP=2 with decode splits of at least 1 tile")
     ap.add_argument("--decode-min-tiles", type=int, default=4,
-                    help="the Triton backend's decode_min_tiles (its default; the variants *tiles4 set 4)")
+                    help="the Triton backend's decode_min_tiles (its default; the variants *tiles1 set 1)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--out", help="8B: the JSON's name under benchmarks/results (default tp_gpu.json)")
     ap.add_argument("--skip-timing", action="store_true", help="8B: greedy checks only")
