@@ -92,7 +92,8 @@ class TPGroup:
         dist.all_reduce(x)
         return x
 
-    def row_linear(self, x: torch.Tensor, weight: torch.Tensor, linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
+    def row_linear(self, x: torch.Tensor, weight: torch.Tensor,
+                   linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
         """Sum over ranks of linear(x, weight) = x @ weight.T (this rank's input columns)."""
         if not self.float32_reduce or x.dtype == torch.float32:
             return self.all_reduce(linear(x, weight))

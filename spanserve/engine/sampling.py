@@ -13,6 +13,7 @@ therefore yields the same tokens whatever else shares its batch.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -244,11 +245,17 @@ def _prefix_cut(sorted_desc: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.T
     return sorted_desc.gather(1, n_keep - 1), n_keep[:, 0] < sorted_desc.shape[-1]
 
 
+@functools.lru_cache(maxsize=8)
+def _chunks(V: int) -> int:
+    """The largest divisor of V from 32 to sqrt(V); 0 when there is none (searched once per V)."""
+    return next((d for d in range(math.isqrt(V), 31, -1) if V % d == 0), 0)
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of [B, V] (the first index of the maximum), in two passes over about
     sqrt(V) chunks: on a GPU one row's single reduction over 128k logits took ~30 us."""
     B, V = x.shape
-    c = next((d for d in range(math.isqrt(V), 31, -1) if V % d == 0), 0)
+    c = _chunks(V)
     if B > 8 or not c:  # many rows fill the GPU already; or no even cut
         return x.argmax(dim=-1)
     best, at = x.view(B, c, V // c).max(dim=-1)  # the first maximum of each chunk

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -39,13 +40,15 @@ class Cuts:
             raise ValueError(f"emulate_tp={self.n} needs the KV heads ({self.config.num_kv_heads}) split "
                              "evenly over the ranks; replicated KV heads are not emulated")
 
-    @property
+    @cached_property
     def plans(self) -> list[ShardPlan]:
         return [ShardPlan(self.config, r, self.n) for r in range(self.n)]
 
     def pieces(self, get: Callable[[str], torch.Tensor], names: list[str]) -> list[torch.Tensor]:
-        """Per rank: its slices of the named whole tensors, stacked along the outputs."""
-        return [torch.cat([p.slice(get(n), n) for n in names]).contiguous() for p in self.plans]
+        """Per rank: its slices of the named whole tensors, stacked along the outputs (each whole
+        tensor fetched once: on the CPU fetching copies it)."""
+        whole = {n: get(n) for n in names}
+        return [torch.cat([p.slice(whole[n], n) for n in names]).contiguous() for p in self.plans]
 
     def qkv(self, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
             linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:

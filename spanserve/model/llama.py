@@ -1,8 +1,8 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -15,13 +15,17 @@ from spanserve.model.layers import has_mm_out_dtype, mm_float32, rms_norm
 from spanserve.rope import Rotary, apply_rotary
 
 
+Proj = torch.Tensor | list[torch.Tensor]
+
+
 @dataclass
 class _Layer:
-    qkv: torch.Tensor  # q, k and v projections stacked: one matmul instead of three
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    # Projections: whole tensors, or with cuts (`model/cuts.py`) one piece per emulated rank.
+    qkv: Proj  # q, k and v projections stacked: one matmul instead of three
+    qkv_bias: torch.Tensor | None | list[torch.Tensor | None]
+    o: Proj
+    gate_up: Proj
+    down: Proj
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
