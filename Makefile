@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml Makefile
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	touch $(STAMP)
 
-# Two workers (this is a 2-core machine); a file's tests share one worker and its module fixtures.
+# The import contract first (pyproject.toml: layers import down only, no cycles), then the suite on
+# two workers (this is a 2-core machine); a file's tests share one worker and its module fixtures.
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest tests -n 2 --dist loadfile --durations=25
 
 run: $(STAMP)

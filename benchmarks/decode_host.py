@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, median, random_model, random_tokens, set_threads, write_json  # noqa: E402
@@ -36,13 +36,14 @@ from host_profile import tiny_config  # noqa: E402
 
 from spanserve.attention.plan import AttentionPlan  # noqa: E402
 from spanserve.attention.triton import TritonBackend  # noqa: E402
-from spanserve.attention.triton.launch import NUM_FIELDS, Launch, StepLayout, empty_launch  # noqa: E402
 from spanserve.attention.triton.graph_decode import StaticDecode  # noqa: E402
+from spanserve.attention.triton.launch import NUM_FIELDS, Launch, StepLayout, empty_launch  # noqa: E402
+from spanserve.cache.claim import Task  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
-from spanserve.cache.claim import Task  # noqa: E402
-from spanserve.engine.runner import build_plan  # noqa: E402
-from spanserve.engine.sampling import Sampler, SamplingParams  # noqa: E402
+from spanserve.engine.params import SamplingParams  # noqa: E402
+from spanserve.engine.sampling import Sampler  # noqa: E402
+from spanserve.worker.runner import build_plan  # noqa: E402
 
 PIECES = ("schedule", "tables", "inputs", "logits", "sample", "rest")
 

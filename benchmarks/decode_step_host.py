@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import format_table, llama3_8b_config, random_model, set_threads, weight_shapes, write_json  # noqa: E402
 
-from spanserve.cache.storage import bytes_per_block  # noqa: E402
 from spanserve.engine.async_engine import AsyncEngine, RequestSpec  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
-from spanserve.engine.sampling import SamplingParams  # noqa: E402
+from spanserve.engine.params import SamplingParams  # noqa: E402
+from spanserve.worker.storage import bytes_per_block  # noqa: E402
 
 PHASES = ("schedule", "runner", "sampler", "post")
 MODES = {"sampled": dict(temperature=0.8, top_p=0.95), "greedy": dict(temperature=0.0)}

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import llama3_8b_config, median, random_model, write_json  # noqa: E402
 
 from spanserve.engine.engine import LLMEngine  # noqa: E402
-from spanserve.engine.sampling import SamplingParams  # noqa: E402
+from spanserve.engine.params import SamplingParams  # noqa: E402
 
 
 def kernel_table(prof, top: int = 25) -> tuple[str, float]:

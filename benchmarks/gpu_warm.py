@@ -39,7 +39,7 @@ from spanserve.cache import manager as manager_mod  # noqa: E402
 from spanserve.engine import runner as runner_mod  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
-from spanserve.engine.sampling import SamplingParams  # noqa: E402
+from spanserve.engine.params import SamplingParams  # noqa: E402
 
 VARIANTS: dict[str, Callable[[], TritonBackend]] = {
     "split, prerotate": lambda: TritonBackend(),

@@ -23,10 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import llama3_8b_config, median, random_model, random_tokens, write_json  # noqa: E402
 
-from spanserve.cache.storage import bytes_per_block  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
-from spanserve.engine.sampling import SamplingParams  # noqa: E402
+from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.llm import LLM  # noqa: E402
+from spanserve.worker.storage import bytes_per_block  # noqa: E402
 
 
 def tiny_config():

@@ -13,10 +13,10 @@ from typing import Callable
 
 import numpy as np
 import torch
-
 from common import format_table, llama3_8b_config, write_json
-from spanserve.cache import kv_upload
-from spanserve.cache.storage import KVStorage
+
+from spanserve.worker import kv_upload
+from spanserve.worker.storage import KVStorage
 
 
 def timeit(fn: Callable[[], None], device: torch.device, reps: int = 3) -> float:

@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from spanserve import LLM  # noqa: E402
-from spanserve.engine.sampling import SamplingParams  # noqa: E402
+from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.query import cross, g, plus, repeat, system, user  # noqa: E402
 from spanserve.query.execute import EngineRunner, Executor  # noqa: E402
 from spanserve.query.plan import Done  # noqa: E402

@@ -20,7 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, set_threads, write_json  # noqa: E402
 
-from spanserve.engine.sampling import Sampler, SamplingParams  # noqa: E402
+from spanserve.engine.params import SamplingParams  # noqa: E402
+from spanserve.engine.sampling import Sampler  # noqa: E402
 
 
 def step_ms(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], hist: list, reps: int) -> float:

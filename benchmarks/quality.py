@@ -56,12 +56,12 @@ from common import set_threads, write_json  # noqa: E402
 from quality_stats import findings, markdown, plot, summarize, table  # noqa: E402
 from tasks import FAMILIES, LAYOUTS, Case, is_correct, make_case  # noqa: E402
 
-from spanserve.cache.storage import bytes_per_block  # noqa: E402
 from spanserve.engine.layout import Segment, sink_prefix  # noqa: E402
-from spanserve.engine.sampling import SamplingParams  # noqa: E402
+from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.llm import LLM  # noqa: E402
 from spanserve.model.loader import LoadedModel, load_model  # noqa: E402
 from spanserve.reuse.policies import CacheBlend, Policy, Sinks, SparseQ  # noqa: E402
+from spanserve.worker.storage import bytes_per_block  # noqa: E402
 
 BLOCK_SIZE = 16
 SINK = 4  # sink tokens recomputed per reused segment

@@ -31,7 +31,7 @@ from dense_reference import Dense, policy_logits  # noqa: E402
 from tasks import make_case  # noqa: E402
 
 from spanserve.engine.layout import resolve, sink_prefix  # noqa: E402
-from spanserve.engine.sampling import SamplingParams  # noqa: E402
+from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.llm import LLM  # noqa: E402
 from spanserve.model.loader import load_model  # noqa: E402
 from spanserve.reuse.policies import FULL, NONE, CacheBlend, Policy, Sinks, SparseQ  # noqa: E402

@@ -33,15 +33,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import (
+    format_table,
+    llama3_8b_config,
+    median,
+    random_model,
+    random_tokens,
+    rotated,
+    save_figure,
+    set_threads,
+    write_json,
+)
 
-from common import format_table, llama3_8b_config, median, random_model, random_tokens, rotated, save_figure, \
-    set_threads, write_json
-from spanserve.cache.storage import bytes_per_block
-from spanserve.distributed import RandomWeights
 from spanserve.engine.layout import Segment
-from spanserve.engine.sampling import SamplingParams
+from spanserve.engine.params import SamplingParams
 from spanserve.llm import LLM
 from spanserve.model.loader import LoadedModel, load_model
+from spanserve.model.weights import RandomWeights
+from spanserve.worker.storage import bytes_per_block
 
 VARIANTS = ("stock", "cold", "warm")
 BLOCK_SIZE = 16

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from spanserve import LLM, SamplingParams, Segment
-from spanserve.server.launch import parse_size
+from spanserve.sizes import parse_size
 
 
 def to_prompt(llm: LLM, req: dict[str, Any]) -> Any:

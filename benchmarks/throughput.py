@@ -23,14 +23,14 @@ import cProfile
 import io
 import pstats
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-
 from common import format_table, median, random_tokens, rotated, save_figure, set_threads, timed, write_json
-from spanserve.engine.sampling import SamplingParams
+
+from spanserve.engine.params import SamplingParams
 from spanserve.llm import LLM
 from spanserve.model.loader import resolve_model
 

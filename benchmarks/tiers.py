@@ -32,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import format_table, llama3_8b_config, median, random_model, random_tokens, save_figure, write_json  # noqa: E402
 
-from spanserve.cache import kv_upload  # noqa: E402
-from spanserve.cache.storage import bytes_per_block  # noqa: E402
 from spanserve.cache.tiers.payload import BlockKV  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
-from spanserve.engine.sampling import SamplingParams  # noqa: E402
+from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.model.config import ModelConfig  # noqa: E402
+from spanserve.worker import kv_upload  # noqa: E402
+from spanserve.worker.storage import bytes_per_block  # noqa: E402
 
 BS = 16
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

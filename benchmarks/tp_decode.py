@@ -28,13 +28,12 @@ from typing import Any, Callable
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (inherited by workers)
 
 import torch  # noqa: E402
-
 from common import format_table, llama3_8b_config, median, random_tokens, write_json  # noqa: E402
 from tp_gpu import tiny_config  # noqa: E402
 
-from spanserve.distributed import RandomWeights  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
-from spanserve.engine.sampling import SamplingParams  # noqa: E402
+from spanserve.engine.params import SamplingParams  # noqa: E402
+from spanserve.model.weights import RandomWeights  # noqa: E402
 
 
 # ---- decode phases ----------------------------------------------------------------------------

@@ -35,7 +35,7 @@ LIMIT_S = 30.0
 
 def engine(dry: bool, on_failure: str):  # noqa: ANN201 - LLM
     from spanserve import LLM
-    from spanserve.distributed import RandomWeights
+    from spanserve.model.weights import RandomWeights
 
     cfg = tiny_config() if dry else llama3_8b_config()
     kw = {} if dry else dict(device="cuda", dtype="bfloat16", backend="triton")

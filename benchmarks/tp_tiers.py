@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table, llama3_8b_config, median, random_tokens, write_json  # noqa: E402
 
 from spanserve.cache.tiers.payload import BlockKV  # noqa: E402
-from spanserve.distributed import RandomWeights  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
-from spanserve.engine.sampling import SamplingParams  # noqa: E402
+from spanserve.engine.params import SamplingParams  # noqa: E402
+from spanserve.model.weights import RandomWeights  # noqa: E402
 
 BS = 16
 

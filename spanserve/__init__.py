@@ -1,7 +1,7 @@
 """spanserve: an LLM inference engine whose KV cache is reused beyond prompt prefixes."""
 from spanserve.engine.layout import Segment
 from spanserve.engine.outputs import RequestOutput
-from spanserve.engine.sampling import SamplingParams
+from spanserve.engine.params import SamplingParams
 from spanserve.llm import LLM
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "Segment"]

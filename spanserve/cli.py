@@ -45,7 +45,7 @@ def _offload(args: argparse.Namespace) -> "dict | None":
 
 
 def _size(text: str) -> int:
-    from spanserve.server.launch import parse_size
+    from spanserve.sizes import parse_size
 
     try:
         return parse_size(text)

@@ -8,8 +8,8 @@ from spanserve.attention.backend import AttentionBackend
 from spanserve.engine.engine import LLMEngine
 from spanserve.engine.layout import Segment
 from spanserve.engine.outputs import RequestOutput
+from spanserve.engine.params import SamplingParams
 from spanserve.engine.runtime import Runtime, RuntimeRequest, detect_platform, resolve_runtime
-from spanserve.engine.sampling import SamplingParams
 from spanserve.reuse.policies import Policy
 
 Prompt = str | list[int] | list[Segment]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from spanserve.engine.engine import LLMEngine
-from spanserve.engine.sampling import SamplingParams
+from spanserve.engine.params import SamplingParams
 
 ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
@@ -12,16 +12,25 @@ ONE = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 def capture_logits(engine: LLMEngine) -> dict[str, torch.Tensor]:
     """request id -> logits of its first sampled position (the end of the prompt)."""
     seen: dict[str, torch.Tensor] = {}
-    run = engine.runner.run
+    run_step = engine._run
 
-    def wrapped(chunks, *args):
-        logits, rows = run(chunks, *args)
-        for c, r in zip(chunks, rows):
+    def wrapped(schedule, t0):
+        chunks, outs, execute = list(schedule.chunks), [], engine.executor.run
+
+        def run(*args, **kwargs):
+            outs.append(execute(*args, **kwargs))
+            return outs[-1]
+        engine.executor.run = run  # type: ignore[method-assign]
+        try:
+            result = run_step(schedule, t0)
+        finally:
+            engine.executor.run = execute  # type: ignore[method-assign]
+        for c, r in zip(chunks, outs[0].rows):
             if r >= 0 and c.request.request_id not in seen:
-                seen[c.request.request_id] = logits[r].clone()
-        return logits, rows
+                seen[c.request.request_id] = outs[0].logits[r].clone()
+        return result
 
-    engine.runner.run = wrapped  # type: ignore[method-assign]
+    engine._run = wrapped  # type: ignore[method-assign]
     return seen
 
 

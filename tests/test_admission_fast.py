@@ -16,8 +16,8 @@ from spanserve.cache.block_pool import Block, BlockPool
 from spanserve.cache.manager import CacheManager, _Plan
 from spanserve.cache.table import Entry, delta_array, slot_array, truncate
 from spanserve.engine.layout import Piece, Segment, checked_many, checked_tokens, resolve
+from spanserve.engine.params import SamplingParams
 from spanserve.engine.request import Request
-from spanserve.engine.sampling import SamplingParams
 from spanserve.reuse.policies import resolve_policy
 
 VOCAB = 50

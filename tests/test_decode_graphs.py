@@ -12,19 +12,20 @@ import random  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from tiny_models import make_tiny_model  # noqa: E402
 
 from spanserve.attention.reference import ReferenceBackend  # noqa: E402
 from spanserve.attention.triton import LaunchConfig, TritonBackend  # noqa: E402
-from spanserve.attention.triton.launch import SplitPolicy, build_layout  # noqa: E402
 from spanserve.attention.triton.graph_decode import StaticDecode  # noqa: E402
+from spanserve.attention.triton.launch import SplitPolicy, build_layout  # noqa: E402
+from spanserve.cache.claim import Task  # noqa: E402
 from spanserve.cache.table import Entry  # noqa: E402
+from spanserve.engine.batch import decode_rows, host_plan  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
-from spanserve.cache.claim import Task  # noqa: E402
-from spanserve.engine.runner import build_plan, decode_rows  # noqa: E402
-from spanserve.engine.sampling import SamplingParams  # noqa: E402
+from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.engine.scheduler import Chunk  # noqa: E402
-from tiny_models import make_tiny_model  # noqa: E402
+from spanserve.worker.runner import device_plan  # noqa: E402
 
 SMALL = LaunchConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
@@ -61,7 +62,7 @@ def test_fixed_buffer_decode_matches_eager_reference(tmp_path, split: int) -> No
     ref = LLMEngine(str(path), block_size=8, num_blocks=128, backend=ReferenceBackend())
     backend = TritonBackend(SMALL, LaunchConfig(16, 8, 4, 1) if split else SMALL, split_programs=split)
     fixed = LLMEngine(str(path), block_size=8, num_blocks=128, backend=backend, cuda_graphs="eager")
-    graphs = fixed.runner.graphs
+    graphs = fixed.executor.graphs
     assert graphs is not None and not graphs.capture
     graphs.capacity = 64  # small, so the buffers must grow while the rows get longer
     want = _run(ref, prompts)
@@ -77,8 +78,8 @@ def test_fixed_buffer_decode_matches_eager_reference(tmp_path, split: int) -> No
 
 def test_eager_engine_has_no_graphs_on_cpu(tmp_path) -> None:
     path, _ = make_tiny_model("llama", tmp_path)
-    assert LLMEngine(str(path), num_blocks=32, backend=TritonBackend()).runner.graphs is None
-    assert LLMEngine(str(path), num_blocks=32, backend=TritonBackend(), cuda_graphs=False).runner.graphs is None
+    assert LLMEngine(str(path), num_blocks=32, backend=TritonBackend()).executor.graphs is None
+    assert LLMEngine(str(path), num_blocks=32, backend=TritonBackend(), cuda_graphs=False).executor.graphs is None
 
 
 @pytest.mark.parametrize("split", [0, 64])
@@ -93,7 +94,7 @@ def test_lean_decode_matches_eager_general_path(tmp_path, split: int) -> None:
                                     split_programs=split)
     eager = LLMEngine(str(path), block_size=8, num_blocks=128, backend=backend(), cuda_graphs=False)
     lean = LLMEngine(str(path), block_size=8, num_blocks=128, backend=backend(), cuda_graphs="eager")
-    graphs = lean.runner.graphs
+    graphs = lean.executor.graphs
     graphs.capacity = 16
     graphs.max_batch = 2  # batch 3 runs eagerly
     assert _run(lean, prompts) == _run(eager, prompts)
@@ -136,7 +137,8 @@ def test_packed_layout_equals_general_layout(block_n: int, split: SplitPolicy | 
     for trial in range(40):
         chunks = _decode_chunks(rng, bs)
         B = len(chunks)
-        ids, plan, sample_at = build_plan(chunks, bs, torch.device("cpu"))
+        hp, sample_at = host_plan(chunks)
+        ids, plan = device_plan(hp, torch.device("cpu"))
         lay = build_layout(plan, torch.zeros(4))
         small, big = lay.launches(small_q, block_n, 16, 64, True, split)
         assert StaticDecode.eligible(lay, small, big)

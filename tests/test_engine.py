@@ -1,11 +1,12 @@
 """Engine core on tiny random models: numerics against transformers, caching, preemption, errors."""
 import pytest
 import torch
+from tiny_models import ARCHS, make_tiny_model
 
 from spanserve import LLM, SamplingParams
+from spanserve.engine.batch import prepare
 from spanserve.engine.engine import LLMEngine
 from spanserve.model.loader import load_model
-from tiny_models import ARCHS, make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -27,8 +28,8 @@ def _prompts(vocab, lens, seed=0):
 def _engine_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     engine.add_request(prompt, SamplingParams(max_tokens=1))
     sched = engine.scheduler.schedule()
-    logits, rows = engine.runner.run(sched.chunks)
-    return logits[rows[-1]]
+    out = engine.executor.run(prepare(sched.chunks, engine.executor.graph_limits))
+    return out.logits[out.rows[-1]]
 
 
 @pytest.mark.parametrize("arch", list(ARCHS) + ["llama-tied"])

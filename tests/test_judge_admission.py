@@ -13,16 +13,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_admission_fast import admit, reference_plan  # noqa: E402  (block by block, partials scanned)
 
 from spanserve.cache import hashing
 from spanserve.cache.block_pool import BlockPool
-from spanserve.cache.claim import Holding, Piece, Task
+from spanserve.cache.claim import Piece, Task
 from spanserve.cache.manager import CacheManager, _all_hit, _Plan
+from spanserve.cache.units import Holding
+from spanserve.engine.params import SamplingParams
 from spanserve.engine.request import Request
-from spanserve.engine.sampling import SamplingParams
 from spanserve.reuse.policies import resolve_policy
 from spanserve.reuse.recompute import RecomputeSpec
-from test_admission_fast import admit, reference_plan  # noqa: E402  (block by block, partials scanned)
 
 VOCAB = 40
 

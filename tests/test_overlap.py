@@ -9,13 +9,13 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+from tiny_models import make_tiny_model  # noqa: E402
 
 from spanserve.attention.triton import LaunchConfig, TritonBackend  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
-from spanserve.engine.overlap import HostTokens  # noqa: E402
-from spanserve.engine.sampling import SamplingParams  # noqa: E402
-from tiny_models import make_tiny_model  # noqa: E402
+from spanserve.engine.params import SamplingParams  # noqa: E402
+from spanserve.worker.host_tokens import HostTokens  # noqa: E402
 
 SMALL = LaunchConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 N_BLOCKS = 96
@@ -70,13 +70,13 @@ def test_chained_decode_matches_steps_one_at_a_time(tmp_path) -> None:
         while eng.has_unfinished():
             eng.step()
     assert solo[1].output_token_ids == solo[0].output_token_ids and chained.chained_steps == 12
-    took = []
-    take = chained.take
-    chained.take = lambda picked: took.extend(picked) or take(picked)  # what chained steps settled
+    fetched: list[list[list]] = []  # what chained steps brought to the host: picks, then logprob tensors
+    fetch = chained.executor.fetch
+    chained.executor.fetch = lambda picks: fetched.append(fetch(picks)) or fetched[-1]
     want, got = _drive(plain, reqs, late), _drive(chained, reqs, late)
     assert got == want
     assert chained.chained_steps > 12 + 3 and plain.chained_steps == 0
-    assert any(lp is not None for _, _, lp in took)  # logprobs came through chained steps
+    assert any(len(lists) > 1 for lists in fetched)  # logprobs came through chained steps
     assert chained.pool.num_free == plain.pool.num_free == N_BLOCKS  # nothing held after the end
 
 

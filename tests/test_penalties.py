@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
+from spanserve.engine.params import SamplingParams
 from spanserve.engine.penalties import apply_penalties
-from spanserve.engine.sampling import Sampler, SamplingParams
+from spanserve.engine.sampling import Sampler
 
 VOCAB = 50
 

@@ -8,8 +8,9 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from spanserve.cache.block_pool import BlockPool
-from spanserve.cache.claim import Admission, Holding, Piece
+from spanserve.cache.claim import Admission, Piece
 from spanserve.cache.manager import CacheManager
+from spanserve.cache.units import Holding
 from spanserve.cluster import routing
 from spanserve.cluster.routing import RouteKey
 

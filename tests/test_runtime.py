@@ -10,8 +10,14 @@ import torch
 
 from spanserve import LLM, SamplingParams
 from spanserve.attention.reference import ReferenceBackend
-from spanserve.engine.runtime import (Platform, Runtime, RuntimeRequest, checkpoint_dtype, detect_platform,
-                                      resolve_runtime)
+from spanserve.engine.runtime import (
+    Platform,
+    Runtime,
+    RuntimeRequest,
+    checkpoint_dtype,
+    detect_platform,
+    resolve_runtime,
+)
 
 CPU = Platform(cuda_available=False)
 GPU = Platform(cuda_available=True)
@@ -123,7 +129,7 @@ def test_llm_defaults_resolve_and_are_logged(tiny: str, caplog: pytest.LogCaptur
     assert "runtime: device=cpu (auto: no CUDA device), dtype=float32 (auto: CPU)" in caplog.text
     e = llm.engine
     assert e.device.type == "cpu" and e.dtype == torch.float32
-    assert isinstance(e.runner.backend, ReferenceBackend) and e.runner.graphs is None
+    assert isinstance(e.executor.backend, ReferenceBackend) and e.executor.graphs is None
     assert e.model.ops.__name__ == "_Eager"
 
 
@@ -131,7 +137,7 @@ def test_llm_explicit_names_and_objects(tiny: str, monkeypatch: pytest.MonkeyPat
     llm = LLM(tiny, num_blocks=32, dtype="bfloat16", backend="reference")
     assert llm.engine.dtype == torch.bfloat16 and llm.runtime.reasons["dtype"] == "explicit"
     obj = ReferenceBackend()
-    assert LLM(tiny, num_blocks=32, backend=obj).engine.runner.backend is obj
+    assert LLM(tiny, num_blocks=32, backend=obj).engine.executor.backend is obj
     assert LLM(tiny, num_blocks=32, backend=None).runtime.attention_backend == "reference"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
@@ -150,7 +156,7 @@ def test_triton_by_name_on_cpu_runs_in_the_interpreter(tiny: str) -> None:
     prompt = list(range(5, 30))
     code = (f"from spanserve import LLM, SamplingParams\n"
             f"llm = LLM({tiny!r}, num_blocks=32, backend='triton', fused_ops='on')\n"
-            f"print(type(llm.engine.runner.backend).__name__, llm.engine.model.ops.__name__)\n"
+            f"print(type(llm.engine.executor.backend).__name__, llm.engine.model.ops.__name__)\n"
             f"p = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)\n"
             f"print(llm.generate({prompt}, p)[0].token_ids)\n")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))

@@ -9,13 +9,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from spanserve.engine import sampling
-from spanserve.engine.sampling import (
-    Sampler,
-    SamplingParams,
-    TokenLogprobs,
-    filtered_probs,
-    make_generator,
-)
+from spanserve.engine.params import SamplingParams
+from spanserve.engine.sampling import Sampler, TokenLogprobs, filtered_probs, make_generator
 
 # Margin kept between any filter decision and its cut-off in the property test:
 # the reference decides in float64, the sampler in float32.

@@ -13,7 +13,7 @@ import random  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from test_triton_attention import BS, D, SMALL, _case  # noqa: E402
+from test_triton_attention import BS, SMALL, D, _case  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 from spanserve.attention.host_plan import HostPlan  # noqa: E402
@@ -23,7 +23,7 @@ from spanserve.attention.triton import LaunchConfig, TritonBackend  # noqa: E402
 from spanserve.attention.triton.graph_step import bucket  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
-from spanserve.engine.sampling import SamplingParams  # noqa: E402
+from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.rope import Rotary  # noqa: E402
 
 
@@ -151,7 +151,7 @@ def test_engine_short_steps_match_eager(tmp_path, split: int, prerotate: bool) -
                                                split_programs=split, prerotate_prefill=prerotate), cuda_graphs=graphs)
 
     eager, fixed = engine(False), engine("eager")
-    steps = fixed.runner.step_graphs
+    steps = fixed.executor.step_graphs
     assert steps is not None and not steps.capture
     steps.max_tokens = 64  # the 70-token prompt's first step runs eagerly
     assert _run(fixed, prompts) == _run(eager, prompts)

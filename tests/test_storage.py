@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from spanserve.cache import kv_upload
-from spanserve.cache.storage import KVStorage
 from spanserve.model.config import ModelConfig
+from spanserve.worker import kv_upload
+from spanserve.worker.storage import KVStorage
 
 
 @pytest.mark.parametrize("seed", range(4))

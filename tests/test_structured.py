@@ -14,13 +14,20 @@ import jsonschema
 import pytest
 import torch
 import xgrammar
+from structured_helpers import build_tiny_smollm2, json_schema_format, random_schema
 
 from spanserve.engine.engine import LLMEngine
-from spanserve.engine.sampling import Sampler, SamplingParams, make_generator
-from spanserve.engine.structured import (Grammars, JsonFormat, ResponseFormatError, TokenMask, apply_bitmask,
-                                         parse_response_format)
+from spanserve.engine.params import SamplingParams
+from spanserve.engine.sampling import Sampler, make_generator
+from spanserve.engine.structured import (
+    Grammars,
+    JsonFormat,
+    ResponseFormatError,
+    TokenMask,
+    apply_bitmask,
+    parse_response_format,
+)
 from spanserve.model.loader import load_tokenizer
-from structured_helpers import build_tiny_smollm2, json_schema_format, random_schema
 
 N_SCHEMAS = 20
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-
-from spanserve import LLM, SamplingParams
-from spanserve.distributed import RandomWeights
-from spanserve.distributed.driver import WorkerDied
-from spanserve.model.config import ModelConfig
 from span_helpers import capture_logits, run_all
 from test_server_harness import build_tiny_model, run_server
+
+from spanserve import LLM, SamplingParams
+from spanserve.distributed.driver import WorkerDied
+from spanserve.model.config import ModelConfig
+from spanserve.model.weights import RandomWeights
 
 # One KV head over two ranks: each rank holds a copy of it.
 ONE_KV = ModelConfig(arch="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2,

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from spanserve.cache.storage import KVStorage
 from spanserve.distributed.driver import check_devices
-from spanserve.distributed.shard import ShardPlan, check_divisible
 from spanserve.distributed.step import Runs
 from spanserve.distributed.storage_log import RecordingStorage, replay
-from spanserve.distributed.weights import MemoryWeights, RandomWeights
 from spanserve.model.config import ModelConfig
-from spanserve.rope import Rotary
 from spanserve.model.loader import LoadedModel
+from spanserve.model.shard import ShardPlan, check_divisible
+from spanserve.model.weights import MemoryWeights, RandomWeights
+from spanserve.rope import Rotary
+from spanserve.worker.storage import KVStorage
 
 CFG = ModelConfig(arch="llama", vocab_size=101, hidden_size=32, intermediate_size=48, num_layers=2,
                   num_heads=8, num_kv_heads=2, head_dim=8)

@@ -10,16 +10,15 @@ import time
 
 import pytest
 import torch
+from span_helpers import capture_logits, run_all
+from tiny_models import make_tiny_model
 
 from spanserve import LLM, SamplingParams, Segment
 from spanserve.cache.tiers import model_fingerprint
-from spanserve.distributed import RandomWeights
-from spanserve.distributed.fingerprint import LeadingRows, whole_model_fingerprint
-from spanserve.distributed.weights import source_of
 from spanserve.model.config import ModelConfig
+from spanserve.model.fingerprint import LeadingRows, whole_model_fingerprint
 from spanserve.model.loader import load_model
-from span_helpers import capture_logits, run_all
-from tiny_models import make_tiny_model
+from spanserve.model.weights import RandomWeights, source_of
 
 BS = 4
 POOL = 24  # blocks per rank: a few prompts overflow it, so blocks are evicted and loaded back

@@ -1,6 +1,6 @@
 """Which path a step, and each row of it, takes through attention: the one place that decides.
 
-A step (the model runner, `engine/runner.py`) takes one of three paths:
+A step (the model runner, `worker/runner.py`) takes one of three paths:
 - *decode graph*: every row is one causal query with nothing to recompute and the batch size has
   a graph (`engine/cuda_graphs.DecodeGraphs`; its inputs are described by
   `attention/triton/decode_launch.py` into the buffers of `attention/triton/graph_decode.py`);

@@ -1,19 +1,15 @@
 """A request as the cache manager sees it, in plain data: what admission is asked for (`Admission`:
-the layout's pieces, tokens, namespace, policy), what the request then holds (`Holding`: blocks,
-units, counts of reused tokens) and the work left on it (`Task`: positions to compute over one key
-table). The engine converts its requests to an Admission and carries the Holding it gets back."""
+the layout's pieces, tokens, namespace, policy) and the work left on it (`Task`: positions to
+compute over one key table). The engine converts its requests to an Admission and carries the
+Holding (cache/units.py) it gets back."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from spanserve.cache.block_pool import Block
 import numpy as np
 
 from spanserve.cache.table import Entry, Table, delta_array, slot_array, tail_slots
-
-if TYPE_CHECKING:
-    from spanserve.cache.units import Unit
 
 
 @dataclass(frozen=True)
@@ -70,6 +66,33 @@ class Task:
             self._deltas = delta_array(self.entries)
         return self._deltas
 
+    def append(self, tok: int) -> None:
+        """A generated token: the row grows by one position still to compute."""
+        self.tokens.append(tok)
+        self.todo.append(len(self.tokens) - 1)
+
+    def hold_place(self) -> None:
+        """What appending a token still on the device does, without its value (`fill_place`)."""
+        self.append(0)
+
+    def fill_place(self, tok: int) -> None:
+        """The token whose place was held arrives (its position may already be computed)."""
+        self.tokens[-1] = tok
+
+    def drop_place(self) -> None:
+        """The held place will not be filled (its request is aborted): the row ends before it."""
+        self.tokens.pop()
+        if self.todo and self.todo[-1] == len(self.tokens):
+            self.todo.pop()
+
+    def take(self, n: int) -> tuple[list[int], Any]:
+        """The next n positions to compute and the recompute spec of the forward that computes
+        them; positions after it read the private KV as it is, so the spec is taken once."""
+        positions = self.todo[:n]
+        del self.todo[:n]
+        spec, self.recompute = self.recompute, None
+        return positions, spec
+
     def set_entries(self, entries: "list[Entry] | Table") -> None:
         self.entries = entries
         self._slots = None
@@ -98,24 +121,3 @@ class Admission:
     policy: Any = None  # reuse.policies.Policy; None = pure span semantics
     encode_only: bool = False  # pin requests: encode the plus units, sample nothing
     compute_all: bool = False  # every prompt position computed, none served from cache (prompt logprobs)
-
-
-def _no_reuse() -> dict[str, int]:
-    return {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0}
-
-
-@dataclass
-class Holding:
-    """What an admitted request holds, owned by the cache manager until it is released: block
-    references, the units of its layout (and the shared segments a policy recomputes from), its
-    tasks (the main task last) and how its prompt tokens were served."""
-
-    held: list[Block] = field(default_factory=list)
-    units: list[Unit] = field(default_factory=list)
-    sources: list[Unit] = field(default_factory=list)
-    tasks: list[Task] = field(default_factory=list)
-    reuse: dict[str, int] = field(default_factory=_no_reuse)
-
-    @property
-    def main(self) -> Task:
-        return self.tasks[-1]

@@ -13,14 +13,15 @@ import numpy as np
 
 from spanserve.cache import hashing
 from spanserve.cache.block_pool import Block, BlockPool
-from spanserve.cache.claim import Admission, Holding, Task
+from spanserve.cache.claim import Admission, Task
 from spanserve.cache.planning import Plan, all_hit, fresh_plan, place_hits, plan_unit, reuse_kind, touched
-from spanserve.cache.storage import KVStorage
 from spanserve.cache.table import Table, grown, truncate
 from spanserve.cache.tier_loads import load_missing, tier_reuse
 from spanserve.cache.tiers.loader import LoadJob
-from spanserve.cache.units import Unit, build_units, follow, table as unit_table
+from spanserve.cache.units import Holding, Unit, build_units, follow
+from spanserve.cache.units import table as unit_table
 from spanserve.reuse.recompute import RecomputeSpec
+from spanserve.worker.storage import KVStorage
 
 # the names tests and benchmarks reach for
 _Plan, _all_hit, _follow = Plan, all_hit, follow

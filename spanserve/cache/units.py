@@ -1,5 +1,6 @@
 """Units: a request's layout cut into token runs, each cached as one chain of blocks (the
-request's own runs, and standalone segments stored at local positions), with their chain keys."""
+request's own runs, and standalone segments stored at local positions), with their chain keys;
+and what an admitted request holds (`Holding`: blocks, units, tasks, counts of reused tokens)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -85,3 +86,24 @@ def build_units(adm: Admission, block_size: int) -> list[Unit]:
 def table(units: list[Unit], local: bool = False) -> Table:
     """The units' key table. `local`: delta 0, how a plus unit's own encoding task reads it."""
     return build([u.blocks for u in units], [0 if local else u.delta for u in units], [u.n_valid for u in units])
+
+
+def _no_reuse() -> dict[str, int]:
+    return {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0}
+
+
+@dataclass
+class Holding:
+    """What an admitted request holds, owned by the cache manager until it is released: block
+    references, the units of its layout (and the shared segments a policy recomputes from), its
+    tasks (the main task last) and how its prompt tokens were served."""
+
+    held: list[Block] = field(default_factory=list)
+    units: list[Unit] = field(default_factory=list)
+    sources: list[Unit] = field(default_factory=list)
+    tasks: list[Task] = field(default_factory=list)
+    reuse: dict[str, int] = field(default_factory=_no_reuse)
+
+    @property
+    def main(self) -> Task:
+        return self.tasks[-1]

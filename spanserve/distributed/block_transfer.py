@@ -24,10 +24,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from spanserve.cache.storage import KVStorage
-from spanserve.distributed.shard import ShardPlan
 from spanserve.distributed.storage_log import Op, RecordingStorage
 from spanserve.model.config import ModelConfig
+from spanserve.model.shard import ShardPlan
+from spanserve.worker.storage import KVStorage
 
 _CHUNK = 64  # blocks per collective: bounds the driver's buffer (world x 64 MiB, 8B model in bf16)
 

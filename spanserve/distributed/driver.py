@@ -19,15 +19,19 @@ from typing import Any, Iterator
 import torch
 import torch.multiprocessing as mp
 
+from spanserve.attention.paths import GraphLimits
 from spanserve.distributed.block_transfer import TPStorage
-from spanserve.distributed.fingerprint import whole_model_fingerprint
 from spanserve.distributed.group import TPGroup, free_port
-from spanserve.distributed.shard import check_divisible
 from spanserve.distributed.step import ScoreRows, StepMessage, pack
 from spanserve.distributed.storage_log import RecordingStorage
-from spanserve.distributed.weights import source_of
 from spanserve.distributed.worker import EngineInit, WorkerArgs, free_memory, load_shard, worker_main
-from spanserve.engine.runner import ModelRunner
+from spanserve.model.fingerprint import whole_model_fingerprint
+from spanserve.model.shard import check_divisible
+from spanserve.model.weights import source_of
+from spanserve.worker.executor import Executor
+from spanserve.worker.host_tokens import HostTokens
+from spanserve.worker.runner import ModelRunner
+from spanserve.worker.step import StepInput, StepOutput
 
 log = logging.getLogger("spanserve.tp")
 POLL_S = 0.2
@@ -108,8 +112,8 @@ class TPDriver:
         """The tiers' model identity, equal to what the same model gives at TP=1."""
         return whole_model_fingerprint(self.source, self.config, self.model.dtype, block_size, self.group.device)
 
-    def runner(self, storage: RecordingStorage, backend: Any, cuda_graphs: Any) -> "TPRunner":
-        return TPRunner(self.model, storage, backend, cuda_graphs, driver=self)
+    def executor(self, storage: RecordingStorage, backend: Any, cuda_graphs: Any) -> "TPExecutor":
+        return TPExecutor(self, ModelRunner(self.model, storage, backend, cuda_graphs))
 
     # ---- failure ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -196,35 +200,41 @@ class TPDriver:
         atexit.unregister(self.close)
 
 
-class TPRunner(ModelRunner):
-    """ModelRunner on rank 0: each step's host data goes to the workers once, then every rank
-    runs the same step on its shard."""
+class TPExecutor(Executor):
+    """Rank 0's runner behind the driver: each step's host data goes to the workers once, then
+    every rank runs the same step on its shard."""
 
-    def __init__(self, *args: Any, driver: TPDriver, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.driver = driver
+    def __init__(self, driver: TPDriver, runner: ModelRunner):
+        self.driver, self.runner = driver, runner
+        self.model, self.storage, self.backend = runner.model, runner.storage, runner.backend
 
-    def _run(self, chunks: list[Any], step: Any, wait: bool = True) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    @property
+    def graph_limits(self) -> GraphLimits | None:
+        return self.runner.graph_limits
+
+    def run(self, step: StepInput, ids: torch.Tensor | None = None, wait: bool = True) -> StepOutput:
         assert isinstance(self.storage, RecordingStorage)
         with self.driver.collective():
             self.driver.group.send(StepMessage(self.storage.drain(), pack(step)))
-            hidden, rows = self.execute(step)
-            logits, picks = self.logits(hidden, step.sample_at)
-            if wait and logits.is_cuda:  # NCCL fails by never finishing: wait here, where a death is noticed
+            out = self.runner.run(step, ids)
+            if wait and out.logits.is_cuda:  # NCCL fails by never finishing: wait here, where a death is noticed
                 torch.cuda.current_stream().synchronize()
-        for (i, _, _), r in zip(step.recompute, rows):
-            chunks[i].request.recompute_stats = r.stats
-        return logits, picks, hidden
+        return out
 
-    def fetch(self, tokens: Any) -> list[list]:
+    def fetch(self, tokens: HostTokens) -> list[list]:
         with self.driver.collective():  # the wait a chained step left for later
-            return super().fetch(tokens)
+            return self.runner.fetch(tokens)
 
     def logits_at(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         assert isinstance(self.storage, RecordingStorage)
         with self.driver.collective():
             self.driver.group.send(ScoreRows(self.storage.drain(), rows))
-            logits = super().logits_at(hidden, rows)
+            logits = self.runner.logits_at(hidden, rows)
             if logits.is_cuda:
                 torch.cuda.current_stream().synchronize()
         return logits
+
+    def shutdown(self) -> None:
+        if self.driver.dead is None:  # a dead peer's collective never finishes: no waiting on it
+            self.runner.release_graphs()
+        self.driver.close()

@@ -12,7 +12,7 @@ from spanserve.attention.decode import DecodeRows
 from spanserve.attention.host_plan import HostPlan
 from spanserve.attention.plan import HostRow
 from spanserve.distributed.storage_log import Op
-from spanserve.engine.runner import StepInput
+from spanserve.worker.step import StepInput
 
 
 @dataclass

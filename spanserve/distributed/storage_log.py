@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spanserve.cache.storage import KVStorage
+from spanserve.worker.storage import KVStorage
 
 Op = tuple[str, tuple[Any, ...]]
 

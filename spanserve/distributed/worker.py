@@ -8,15 +8,15 @@ from typing import Any
 
 import torch
 
-from spanserve.cache.storage import KVStorage
 from spanserve.distributed.block_transfer import BlockTransfer, serve_transfer
 from spanserve.distributed.group import TPGroup, quiet_threads
-from spanserve.distributed.shard import ShardPlan
 from spanserve.distributed.step import ScoreRows, StepMessage, unpack
 from spanserve.distributed.storage_log import replay
-from spanserve.engine.runner import ModelRunner
 from spanserve.model.config import ModelConfig
 from spanserve.model.llama import LlamaModel
+from spanserve.model.shard import ShardPlan
+from spanserve.worker.runner import ModelRunner
+from spanserve.worker.storage import KVStorage
 
 log = logging.getLogger("spanserve.tp")
 
@@ -29,7 +29,7 @@ class WorkerArgs:
     device_type: str
     dtype: torch.dtype
     config: ModelConfig  # the whole model's
-    source: Any  # a spanserve.distributed.weights source
+    source: Any  # a spanserve.model.weights source
     float32_reduce: bool = False
     peer_sum: bool = True
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 from spanserve.engine.engine import LLMEngine
 from spanserve.engine.layout import Segment
 from spanserve.engine.outputs import RequestOutput
-from spanserve.engine.sampling import SamplingParams
+from spanserve.engine.params import SamplingParams
 from spanserve.reuse.policies import Policy
 
 log = logging.getLogger(__name__)

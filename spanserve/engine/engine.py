@@ -12,26 +12,31 @@ from spanserve.attention.backend import AttentionBackend
 from spanserve.attention.reference import ReferenceBackend
 from spanserve.cache.block_pool import BlockPool
 from spanserve.cache.manager import CacheManager
-from spanserve.cache.storage import KVStorage, bytes_per_block
-from spanserve.distributed.weights import RandomWeights
 from spanserve.cache.tiers import BlockShape, OffloadConfig, model_fingerprint
 from spanserve.cache.tiers.stack import TierStack
+from spanserve.engine.batch import prepare
+from spanserve.engine.detokenize import IncrementalText, make_decoder
 from spanserve.engine.layout import Segment, checked_many, checked_tokens, resolve
 from spanserve.engine.layout import sink_prefix as layout_sink_prefix
-from spanserve.engine.detokenize import IncrementalText, make_decoder
 from spanserve.engine.outputs import RequestOutput, output_of, stop_check
-from spanserve.engine.overlap import DecodeChain, drop_placeholder
+from spanserve.engine.overlap import Pending, chainable, continues, may_continue, next_is_chained
+from spanserve.engine.params import SamplingParams
 from spanserve.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from spanserve.engine.request import Request
-from spanserve.engine.runner import ModelRunner
 from spanserve.engine.runtime import make_backend
-from spanserve.engine.sampling import Sampler, SamplingParams, make_generator
-from spanserve.engine.scheduler import Schedule, Scheduler
+from spanserve.engine.sampling import Sampler, make_generator
+from spanserve.engine.scheduler import Chunk, Schedule, Scheduler
 from spanserve.engine.step_stats import DecodeStepStats
 from spanserve.engine.structured import Grammars, parse_response_format
 from spanserve.model.llama import LlamaModel
 from spanserve.model.loader import LoadedModel, load_model
+from spanserve.model.weights import RandomWeights
 from spanserve.reuse.policies import Policy, resolve_policy
+from spanserve.worker.executor import Executor
+from spanserve.worker.host_tokens import HostTokens
+from spanserve.worker.runner import ModelRunner
+from spanserve.worker.step import StepOutput
+from spanserve.worker.storage import KVStorage, bytes_per_block
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -142,9 +147,9 @@ class LLMEngine:
         # cuda_graphs: decode steps replay CUDA graphs on a GPU with the Triton backend ("auto");
         # False runs every step eagerly (vLLM's enforce_eager)
         if self.tp is not None:
-            self.runner: ModelRunner = self.tp.runner(self.storage, backend, cuda_graphs)
+            self.executor: Executor = self.tp.executor(self.storage, backend, cuda_graphs)
         else:
-            self.runner = ModelRunner(self.model, self.storage, backend, cuda_graphs)
+            self.executor = ModelRunner(self.model, self.storage, backend, cuda_graphs)
         self.sampler = Sampler()
         self.grammars = Grammars(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
         self._decode = make_decoder(self.tokenizer)
@@ -154,9 +159,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self.decode_stats = DecodeStepStats()  # decode-only steps: wall time by batch size
         # overlap: decode steps chained on the device (engine/overlap.py); None = with CUDA graphs
-        graphs = self.runner.graphs
-        chain = graphs is not None and (graphs.capture if overlap is None else overlap)
-        self.chain: DecodeChain | None = DecodeChain(self) if chain else None
+        graphs = self.executor.graph_limits is not None
+        self.overlap = graphs and (self.device.type == "cuda" if overlap is None else overlap)
+        self._pending: Pending | None = None  # a chained step whose picks the host has not seen
+        self._settled_at = 0.0
+        self.chained_steps = 0  # steps launched before the host saw the previous one's picks
         self.counters = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0, "preemptions": 0,
                          "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
 
@@ -166,10 +173,7 @@ class LLMEngine:
         if self.tiers is not None:
             tiers, self.tiers = self.tiers, None
             tiers.close(self.pool if self.tp is None or self.tp.dead is None else None)  # dead: KV unreadable
-        if self.tp is not None:
-            if self.tp.dead is None:  # a dead peer's collective never finishes: no waiting on it
-                self.runner.release_graphs()
-            self.tp.close()
+        self.executor.shutdown()
 
     def close(self) -> None:
         self.shutdown()
@@ -249,63 +253,118 @@ class LLMEngine:
         if req is None:
             return None
         if req.token_in_flight:  # its pick is dropped: the row ends at the last token it has
-            drop_placeholder(req)
+            req.main.drop_place()
+            req.token_in_flight = False
         req.finish_reason = "abort"
         self.scheduler.finish(req)
         self.grammars.close(request_id)
         return output_of(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or (self.chain is not None and self.chain.pending is not None)
+        return self.scheduler.has_work() or self._pending is not None
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.chain is not None and self.chain.pending is not None:
-            return self.chain.step()
+        """One model step. With overlap, a decode step whose picks stay on the device may be in
+        flight when this returns: the next call launches the step after it, then takes its
+        tokens in while that one runs (or, when the batch changes, takes them in first)."""
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        self.counters["preemptions"] += len(sched.preempted)
-        if not sched.chunks:
-            done_pins = [r for r in self.scheduler.running if r.encode_only and not any(t.todo for t in r.tasks)]
-            if done_pins:  # every segment was already cached: nothing to compute
-                for r in done_pins:
-                    self._pin(r)
-                return [self._finish_output(r) for r in done_pins]
-            req = self.scheduler.stuck()
-            if req is not None:  # nothing runs and it cannot be admitted: fail it rather than hang
-                req.finish_reason = "length"
-                self.scheduler.finish(req)
-                return [self._finish_output(req)]
-            self.scheduler.wait_for_loads()  # only requests waiting on tier loads: sleep, not spin
-            return []
-        return self.run_schedule(sched, t0)
+        pending, self._pending = self._pending, None
+        sched = self.scheduler
+        if pending is not None and not next_is_chained(sched.running, bool(sched.waiting), self.pool.num_free):
+            return self._settle(pending)
+        schedule = sched.schedule()
+        self.counters["preemptions"] += len(schedule.preempted)
+        if pending is None:
+            return self._run(schedule, t0) if schedule.chunks else self._idle()
+        chunks = schedule.chunks
+        step = prepare(chunks, self.executor.graph_limits) if chunks else None
+        if step is not None and continues(chunks, step, bool(schedule.preempted)):
+            step.chained = True
+            self.chained_steps += 1
+            ids = pending.picks.rows(pending.index_of([c.request for c in chunks]))
+            return self._launch(chunks, self.executor.run(step, ids, wait=False), t0, settle=pending)
+        outputs = self._settle(pending)  # not one chained step after all: the host goes first
+        schedule.chunks = [c for c in chunks if not c.request.finished]
+        return outputs + (self._run(schedule, t0) if schedule.chunks else [])
 
-    def run_schedule(self, sched: Schedule, t0: float) -> list[RequestOutput]:
+    def _idle(self) -> list[RequestOutput]:
+        """A step with nothing to compute: pins whose segments were all cached finish, a request
+        that cannot be admitted with nothing running fails (rather than hang), or the loop
+        sleeps on tier loads (rather than spin)."""
+        done_pins = [r for r in self.scheduler.running if r.encode_only and r.computed]
+        if done_pins:
+            for r in done_pins:
+                self._pin(r)
+            return [self._finish_output(r) for r in done_pins]
+        req = self.scheduler.stuck()
+        if req is not None:
+            req.finish_reason = "length"
+            self.scheduler.finish(req)
+            return [self._finish_output(req)]
+        self.scheduler.wait_for_loads()
+        return []
+
+    def _run(self, schedule: Schedule, t0: float) -> list[RequestOutput]:
         """Runs a scheduled step: forward, sampling (or, chained, picks left on the device), outputs."""
-        if any(wants_prompt_logprobs(c) for c in sched.chunks):
-            logits, rows, hidden = self.runner.run_keep_hidden(sched.chunks)
-            record_prompt_logprobs(functools.partial(self.runner.logits_at, hidden), sched.chunks)
-        else:
-            prepared = self.runner.prepare(sched.chunks)
-            logits, rows = self.runner.run(sched.chunks, prepared)
-            if self.chain is not None and self.chain.chainable(sched.chunks, prepared):
-                return self.chain.launch(sched.chunks, logits, rows, t0)
-        sampled = [(c.request, r) for c, r in zip(sched.chunks, rows) if r >= 0]
-        mask = self.grammars.mask([q.request_id for q, _ in sampled], logits.device)
-        tokens, logprobs = self.sampler(logits, [q.params for q, _ in sampled], [q.generator for q, _ in sampled],
+        chunks = schedule.chunks
+        scores = any(wants_prompt_logprobs(c) for c in chunks)  # needs every position's hidden state
+        step = prepare(chunks, self.executor.graph_limits, eager=scores)
+        if self.overlap and chainable(chunks, step, [self.structured(c.request) for c in chunks], self.max_model_len):
+            return self._launch(chunks, self.executor.run(step, wait=False), t0)
+        out = self.executor.run(step)
+        for (i, _, _), stats in zip(step.recompute, out.recompute_stats):
+            chunks[i].request.recompute_stats = stats
+        if scores:
+            record_prompt_logprobs(functools.partial(self.executor.logits_at, out.hidden), chunks)
+        sampled = [(c.request, r) for c, r in zip(chunks, out.rows) if r >= 0]
+        mask = self.grammars.mask([q.request_id for q, _ in sampled], out.logits.device)
+        tokens, logprobs = self.sampler(out.logits, [q.params for q, _ in sampled], [q.generator for q, _ in sampled],
                                         mask=mask, histories=[(q.prompt_token_ids, q.output_token_ids) for q, _ in sampled])
-        for (req, _), tok, lp in zip(sampled, tokens, logprobs):
-            self._append(req, tok, lp)
-        outputs = self._outputs({id(c.request): c.request for c in sched.chunks}.values())
-        if all(len(c.positions) == 1 and c.recompute is None for c in sched.chunks):
-            self.decode_stats.record(len(sched.chunks), sum(c.positions[0] + 1 for c in sched.chunks),
-                                     time.perf_counter() - t0)
+        outputs = self._take([(req, tok, lp) for (req, _), tok, lp in zip(sampled, tokens, logprobs)],
+                             {id(c.request): c.request for c in chunks}.values())
+        if all(len(c.positions) == 1 and c.recompute is None for c in chunks):
+            self.decode_stats.record(len(chunks), sum(c.positions[0] + 1 for c in chunks), time.perf_counter() - t0)
         return outputs
 
-    def _outputs(self, touched: "Iterable[Request]") -> list[RequestOutput]:
+    def _launch(self, chunks: list[Chunk], out: StepOutput, t0: float,
+                settle: Pending | None = None) -> list[RequestOutput]:
+        """Picks a chained step's tokens on the device, takes in the step before it (if any)
+        while this one runs, then gives every request that goes on a placeholder for its pick."""
+        sampled = [(c.request, r) for c, r in zip(chunks, out.rows)]
+        params = [q.params for q, _ in sampled]
+        picks = self.sampler.pick(out.logits, params, [q.generator for q, _ in sampled])
+        lt = self.sampler.logprob_tensors(out.logits, params, picks)
+        pending = Pending(sampled, HostTokens(picks, *(lt.tensors() if lt is not None else ())), t0,
+                          sum(c.positions[0] + 1 for c in chunks), lt)
+        outputs = self._settle(settle) if settle is not None else []
+        for req, _ in sampled:
+            if not req.finished and may_continue(req, self.max_model_len):
+                req.main.hold_place()
+                req.token_in_flight = True
+        self._pending = pending
+        return outputs
+
+    def _settle(self, pending: Pending) -> list[RequestOutput]:
+        """The host takes in a chained step's picks: each becomes its request's token."""
+        tokens, *extra = self.executor.fetch(pending.picks)
+        now = time.perf_counter()
+        self.decode_stats.record(len(pending.sampled), pending.keys, now - max(pending.started, self._settled_at))
+        self._settled_at = now
+        lps: list = [None] * len(tokens)
+        if pending.logprobs is not None:
+            lps = pending.logprobs.build([q.params for q, _ in pending.sampled], tokens, *extra)
+        picked = [(req, tokens[i], lps[i]) for req, i in pending.sampled if not req.finished]  # not aborted
+        return self._take(picked, [req for req, _, _ in picked])
+
+    def _take(self, picked: "list[tuple[Request, int, Any]]", touched: "Iterable[Request]") -> list[RequestOutput]:
+        """Appends each picked token (with its logprobs) to its request, then the outputs of
+        every request the step touched."""
+        for req, tok, lp in picked:
+            self._append(req, tok, lp)
         outputs = []
         for req in touched:
-            if req.encode_only and not any(t.todo for t in req.tasks):
+            if req.encode_only and req.computed:
                 self._pin(req)
             if req.finished:
                 outputs.append(self._finish_output(req))
@@ -314,23 +373,8 @@ class LLMEngine:
             outputs.append(output_of(req))
         return outputs
 
-    def take(self, picked: "list[tuple[Request, int, Any]]") -> list[RequestOutput]:
-        """Tokens picked on the device (with their logprobs), now on the host (a chained step):
-        appended, then output."""
-        for req, tok, lp in picked:
-            self._append(req, tok, lp)
-        return self._outputs(req for req, _, _ in picked)
-
     def structured(self, req: Request) -> bool:
         return req.request_id in self.grammars
-
-    @property
-    def overlap(self) -> bool:
-        return self.chain is not None
-
-    @property
-    def chained_steps(self) -> int:
-        return 0 if self.chain is None else self.chain.steps
 
     def _append(self, req: Request, tok: int, lp: Any) -> None:
         if req.first_token_time is None:
@@ -340,12 +384,11 @@ class LLMEngine:
         req.output_token_ids.append(tok)
         req.logprobs.append(lp)
         main = req.main
-        if req.token_in_flight:  # the placeholder's place (and its todo entry, if not yet computed)
-            main.tokens[-1] = tok
+        if req.token_in_flight:
+            main.fill_place(tok)
             req.token_in_flight = False
         else:
-            main.tokens.append(tok)
-            main.todo.append(len(main.tokens) - 1)
+            main.append(tok)
         self.counters["generation_tokens"] += 1
         p = req.params
         prev_len = len(req.text)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from spanserve.engine.sampling import SamplingParams
+    from spanserve.engine.params import SamplingParams
 
 # One (prompt token ids, generated token ids) pair per row of logits.
 Histories = Sequence[tuple[Sequence[int], Sequence[int]]]

@@ -9,10 +9,11 @@ from typing import Any
 import torch
 
 from spanserve.cache.block_pool import Block
-from spanserve.cache.claim import Admission, Holding, Piece, Task
-from spanserve.cache.units import Unit
+from spanserve.cache.claim import Admission, Piece, Task
+from spanserve.cache.units import Holding, Unit
 from spanserve.engine.detokenize import IncrementalText
-from spanserve.engine.sampling import SamplingParams, TokenLogprobs
+from spanserve.engine.params import SamplingParams
+from spanserve.engine.sampling import TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -73,6 +74,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def computed(self) -> bool:
+        """Every position of every task has its KV: nothing left to run but a next token."""
+        return not any(t.todo for t in self.kv.tasks)
 
     @property
     def finished(self) -> bool:

@@ -121,9 +121,8 @@ class Scheduler:
                     break
                 n = len(task.todo)
             if n:
-                out.chunks.append(Chunk(req, task, task.todo[:n], task.recompute))
-                task.recompute = None  # decodes that follow read the private KV as it is
-                del task.todo[:n]
+                positions, spec = task.take(n)
+                out.chunks.append(Chunk(req, task, positions, spec))
                 used += n
         return used
 

@@ -23,8 +23,8 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from spanserve.distributed.shard import ShardPlan, check_divisible
 from spanserve.model.config import ModelConfig
+from spanserve.model.shard import ShardPlan, check_divisible
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import xxhash
 
 from spanserve.engine.layout import Segment
 from spanserve.engine.outputs import RequestOutput
-from spanserve.engine.sampling import SamplingParams
+from spanserve.engine.params import SamplingParams
 
 from .ir import Assistant, Chat, Cross, Generate, Group, Message, Node, Par, Repeat, Retrieve, leaf_messages
 from .optimize import optimize

@@ -20,16 +20,32 @@ from typing import Any
 
 from starlette.requests import Request as HTTPRequest
 
-from spanserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloaded, EngineStepError,
-                                           RequestSpec, RequestStream)
+from spanserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloaded,
+    EngineStepError,
+    RequestSpec,
+    RequestStream,
+)
 from spanserve.engine.layout import Segment
 from spanserve.engine.outputs import RequestOutput
-from spanserve.engine.sampling import SamplingParams, TokenLogprobs
+from spanserve.engine.params import SamplingParams
+from spanserve.engine.sampling import TokenLogprobs
 from spanserve.reuse.policies import resolve_policy
 from spanserve.server.errors import APIError, bad_request
 from spanserve.server.metrics import ServerMetrics
-from spanserve.server.protocol import (SEED_MAX, SEED_MIN, ChatMessage, PromptLogprob, PromptLogprobs,
-                                       PromptTokensDetails, ReuseCounts, SamplingRequest, Usage)
+from spanserve.server.protocol import (
+    SEED_MAX,
+    SEED_MIN,
+    ChatMessage,
+    PromptLogprob,
+    PromptLogprobs,
+    PromptTokensDetails,
+    ReuseCounts,
+    SamplingRequest,
+    Usage,
+)
 from spanserve.server.streaming import fan_in
 
 log = logging.getLogger(__name__)

@@ -3,29 +3,16 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from spanserve.cache.storage import bytes_per_block
+from spanserve.worker.storage import bytes_per_block
 
 log = logging.getLogger("spanserve")
 
 API_KEY_ENV = "SPANSERVE_API_KEY"
-
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '1073741824', '512MiB', '2G', '1.5GB' (SI without i, binary with i)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text.lower())
-    if m is None:
-        raise ValueError(f"not a size: {text!r}; use bytes or a unit like 512MiB or 2GB")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-
 
 def resolve_api_key(flag: str | None, env: Mapping[str, str]) -> str | None:
     """--api-key, else $SPANSERVE_API_KEY; None (open access) when neither is a non-empty key."""

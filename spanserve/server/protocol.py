@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from spanserve.engine.sampling import MAX_LOGPROBS
+from spanserve.engine.params import MAX_LOGPROBS
 from spanserve.server.messages import ChatMessage, ContentPart, OpenAIBody
 
 __all__ = ["ChatMessage", "ContentPart", "OpenAIBody"]

@@ -1,16 +1,15 @@
-"""What to offload where (`LLM(..., kv_offload=...)`, `--kv-offload-*`, `--kv-store`), and the
-model identity every tier's key space carries."""
+"""What to offload where (`LLM(..., kv_offload=...)`, `--kv-offload-*`, `--kv-store`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-import torch
-import xxhash
+from spanserve.model.fingerprint import model_fingerprint
+from spanserve.sizes import parse_size
 
-# Bumped whenever what a block's bytes mean changes (payload layout, K rotation convention).
-LAYOUT_VERSION = 1
-_FINGERPRINT_BYTES = 1 << 16  # sampled from each of a few tensors: cheap, and any retraining shows
+__all__ = ["OffloadConfig", "model_fingerprint"]
+
+
 
 
 @dataclass(frozen=True)
@@ -54,22 +53,5 @@ class OffloadConfig:
         args = dict(value)
         for name in ("cpu_bytes", "disk_bytes"):
             if isinstance(args.get(name), str):
-                from spanserve.server.launch import parse_size
-
                 args[name] = parse_size(args[name])
         return cls(**args)
-
-
-def model_fingerprint(config: object, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                      block_size: int) -> bytes:
-    """16 bytes naming everything that makes two models' blocks differ: the architecture, the
-    weights (a sample of a few tensors' bytes), the KV dtype, the block size, the layout."""
-    h = xxhash.xxh3_128()
-    h.update(f"{LAYOUT_VERSION}|{config!r}|{dtype}|{block_size}".encode())
-    names = sorted(weights)
-    for name in names[:2] + names[len(names) // 2: len(names) // 2 + 1] + names[-2:]:
-        t = weights[name].detach().reshape(-1)
-        n = min(t.numel(), _FINGERPRINT_BYTES // max(1, t.element_size()))
-        h.update(name.encode())
-        h.update(t[:n].cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.digest()

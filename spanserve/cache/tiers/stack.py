@@ -21,13 +21,13 @@ import numpy as np
 import torch
 
 from spanserve.cache.block_pool import Block, BlockPool
-from spanserve.cache.storage import KVStorage
 from spanserve.cache.tiers.base import Tier
 from spanserve.cache.tiers.config import OffloadConfig
 from spanserve.cache.tiers.disk import DiskTier
 from spanserve.cache.tiers.host import HostTier
-from spanserve.cache.tiers.loader import Chain, LoadJob, Loader, Want, load_nearest
+from spanserve.cache.tiers.loader import Chain, Loader, LoadJob, Want, load_nearest
 from spanserve.cache.tiers.payload import BlockKV, BlockShape
+from spanserve.worker.storage import KVStorage
 
 log = logging.getLogger("spanserve.tiers")
 _PERSIST_BATCH = 64

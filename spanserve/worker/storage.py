@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from spanserve.cache import kv_upload
 from spanserve.model.config import ModelConfig
+from spanserve.worker import kv_upload
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

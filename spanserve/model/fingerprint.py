@@ -1,5 +1,6 @@
-"""The tiers' model identity for a tensor-parallel engine: the fingerprint the same model has at
-TP=1, so TP=1 and TP=N engines share a disk or remote store.
+"""A model's identity for the KV tiers' key space (`model_fingerprint`), and the same identity
+for a tensor-parallel engine (`whole_model_fingerprint`): the fingerprint the model has at TP=1,
+so TP=1 and TP=N engines share a disk or remote store.
 
 `model_fingerprint` hashes the config and the leading bytes of a few whole tensors; no rank holds
 those whole (a row-parallel weight's leading rows span every shard). The driver reads just those
@@ -13,12 +14,31 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
-from spanserve.cache.tiers.config import _FINGERPRINT_BYTES, model_fingerprint
-from spanserve.distributed.shard import shard_dim
-from spanserve.distributed.weights import MemoryWeights, PathWeights, RandomWeights
 from spanserve.model import loader
 from spanserve.model.config import ModelConfig
+from spanserve.model.shard import shard_dim
+from spanserve.model.weights import MemoryWeights, PathWeights, RandomWeights
+
+# Bumped whenever what a block's bytes mean changes (payload layout, K rotation convention).
+LAYOUT_VERSION = 1
+FINGERPRINT_BYTES = 1 << 16  # sampled from each of a few tensors: cheap, and any retraining shows
+
+
+def model_fingerprint(config: object, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                      block_size: int) -> bytes:
+    """16 bytes naming everything that makes two models' blocks differ: the architecture, the
+    weights (a sample of a few tensors' bytes), the KV dtype, the block size, the layout."""
+    h = xxhash.xxh3_128()
+    h.update(f"{LAYOUT_VERSION}|{config!r}|{dtype}|{block_size}".encode())
+    names = sorted(weights)
+    for name in names[:2] + names[len(names) // 2: len(names) // 2 + 1] + names[-2:]:
+        t = weights[name].detach().reshape(-1)
+        n = min(t.numel(), FINGERPRINT_BYTES // max(1, t.element_size()))
+        h.update(name.encode())
+        h.update(t[:n].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.digest()
 
 
 def whole_model_fingerprint(source: Any, config: ModelConfig, dtype: torch.dtype, block_size: int,
@@ -48,7 +68,7 @@ class LeadingRows(Mapping):
         shape = self.shapes[name]
         elem = torch.empty((), dtype=self.dtype).element_size()
         row = math.prod(shape[1:])
-        rows = min(shape[0], -(-(_FINGERPRINT_BYTES // elem) // row))
+        rows = min(shape[0], -(-(FINGERPRINT_BYTES // elem) // row))
         s = self.source
         if isinstance(s, MemoryWeights):
             return s.model.weights[name][:rows].to(self.dtype)

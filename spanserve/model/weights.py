@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from spanserve.distributed.shard import ShardPlan, shard_dim
 from spanserve.model import loader
 from spanserve.model.config import ModelConfig
+from spanserve.model.shard import ShardPlan, shard_dim
 
 _PIECES = 64  # random tensors are made of this many pieces along their split dimension
 

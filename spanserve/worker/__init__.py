@@ -1,0 +1,1 @@
+"""What one rank executes: the KV storage it holds, the model runner and its CUDA graphs."""
