@@ -81,6 +81,30 @@ class CacheManager:
             if isinstance(got, LoadJob):
                 return got
             loaded = got
+        plans, sources = self._plans(adm, units)
+        held = touched(plans)
+        self.pool.acquire_many(held)  # hold hits and copy sources so allocation cannot evict them
+        eager = [i for i, (u, plan) in enumerate(zip(units, plans)) if self.reposition == "eager"
+                 and u.plus and u.delta and not plan.copies]
+        n_fresh = sum(len(plan.copies) for plan in plans)
+        n_fresh += sum(len(plans[i].shared) for i in eager)
+        if self.pool.num_free < n_fresh:
+            self.pool.release_many(held)
+            return None
+        req = Holding()
+        req.reuse = self._place(req, units + sources, plans, recomputed=bool(sources))
+        if eager:
+            self._reposition_all(req, [units[i] for i in eager])
+        if loaded is not None:  # of the hits, tokens loaded from each tier below the pool
+            req.reuse.update(tier_reuse(loaded))
+        req.units = units
+        req.sources = sources
+        req.tasks = self._tasks(adm, units, sources)
+        return req
+
+    def _plans(self, adm: Admission, units: list[Unit]) -> tuple[list[Plan], list[Unit]]:
+        """One plan per unit, then one per shared copy a recomputing policy reads (`sources`,
+        returned too); a position the request must compute gets a fresh plan."""
         plans = [self._plan_unit(u.seed, u.tokens, u.keys, u.final, u.packed, u.tail_key) for u in units]
         sources: list[Unit] = []
         if adm.compute_all:
@@ -93,23 +117,18 @@ class CacheManager:
             for i in range(first, len(units)):
                 plans[i] = fresh_plan(len(plans[i].shared))
             sources = [u.source for u in units if u.source is not None]
-        units_all = units + sources
         plans += [self._plan_unit(u.seed, u.tokens, u.keys, False, u.packed, u.tail_key) for u in sources]
-        held = touched(plans)
-        self.pool.acquire_many(held)  # hold hits and copy sources so allocation cannot evict them
-        eager = [i for i, (u, plan) in enumerate(zip(units, plans)) if self.reposition == "eager"
-                 and u.plus and u.delta and not plan.copies]
-        n_fresh = sum(len(plan.copies) for plan in plans)
-        n_fresh += sum(len(plans[i].shared) for i in eager)
-        if self.pool.num_free < n_fresh:
-            self.pool.release_many(held)
-            return None
-        req = Holding()
+        return plans, sources
+
+    def _place(self, req: Holding, units: list[Unit], plans: list[Plan], recomputed: bool) -> dict[str, int]:
+        """Hold each unit's hits and allocate its misses, in order, into `req` and the units;
+        returns the tokens per reuse kind. With `recomputed`, a recomputed run is counted by its
+        source."""
         reuse = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0}
         contiguous = True
         bs = self.block_size
         copies: list[tuple[int, int, int]] = []
-        for u, plan in zip(units_all, plans):
+        for u, plan in zip(units, plans):
             done = 0  # blocks of u placed so far; the hits between copies go in bulk
             for i, (src, copy_n) in plan.copies.items():
                 reuse[reuse_kind(u, contiguous)] += place_hits(req.held, u, plan.shared, done, i, bs)
@@ -127,32 +146,28 @@ class CacheManager:
                 contiguous = contiguous and copy_n == n_tok
                 done = i + 1
             reuse[reuse_kind(u, contiguous)] += place_hits(req.held, u, plan.shared, done, len(plan.shared), bs)
-            if u.source is None or not sources:  # a recomputed run is counted by its source
+            if u.source is None or not recomputed:
                 reuse["computed"] += len(u.todo)
         # One batch (a judge copies the tail block of each of its candidates). Safe although the
         # sources were released above: nothing writes KV before this runs, and the batch reads
         # every source before writing any destination.
         self.storage.copy_many(copies)
-        if eager:
-            dropped: Counter[Block] = Counter()
-            for i in eager:
-                dropped.update(self._reposition(units[i]))
-            # each repositioned unit gave up the first holds of its blocks (a segment placed twice
-            # holds them twice) and its copies went to the end: one pass instead of list.remove
-            kept = []
-            for b in req.held:
-                if dropped[b]:
-                    dropped[b] -= 1
-                else:
-                    kept.append(b)
-            req.held = kept + [b for i in eager for b in units[i].blocks]
-        req.reuse = reuse
-        if loaded is not None:  # of the hits, tokens loaded from each tier below the pool
-            req.reuse.update(tier_reuse(loaded))
-        req.units = units
-        req.sources = sources
-        req.tasks = self._tasks(adm, units, sources)
-        return req
+        return reuse
+
+    def _reposition_all(self, req: Holding, units: list[Unit]) -> None:
+        """Eager repositioning of fully hit segments placed away from their local positions."""
+        dropped: Counter[Block] = Counter()
+        for u in units:
+            dropped.update(self._reposition(u))
+        # each repositioned unit gave up the first holds of its blocks (a segment placed twice
+        # holds them twice) and its copies went to the end: one pass instead of list.remove
+        kept = []
+        for b in req.held:
+            if dropped[b]:
+                dropped[b] -= 1
+            else:
+                kept.append(b)
+        req.held = kept + [b for u in units for b in u.blocks]
 
     def _reposition(self, u: Unit) -> list[Block]:
         """Replace a hit segment's shared blocks by private copies rotated to its position;

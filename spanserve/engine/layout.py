@@ -150,6 +150,22 @@ def resolve(segments: Sequence[Segment | str], encode: Callable[[str], list[int]
     segs = [Segment(text=s) if isinstance(s, str) else s for s in segments]
     if not segs:
         raise ValueError("a layout needs at least one segment")
+    toks = _tokenized(segs, encode, check, check_all)
+    if require_tail and segs[-1].kind != "cross":
+        raise ValueError("a layout must end with a cross segment (the question or generation prompt), "
+                         "which attends to everything before it")
+    first_plus = next((i for i, s in enumerate(segs) if s.kind == "plus"), len(segs))
+    _check_anchors(segs, toks[:first_plus], sink)
+    if policy == "full" or first_plus == len(segs):
+        flat, packed = _joined(toks)
+        return [Piece("cross", flat, 0, packed=packed)]
+    return _positioned(segs, toks, first_plus, len(sink))
+
+
+def _tokenized(segs: list[Segment], encode: Callable[[str], list[int]],
+               check: Callable[[Sequence[int]], Checked] | None,
+               check_all: Callable[[list[Sequence[int]]], "Sequence[Checked] | None"] | None) -> list[Checked]:
+    """Each segment's token ids: text encoded, ids checked (all at once where `check_all` can)."""
     toks: list[Checked] = []
     pre = check_all([s.token_ids for s in segs if s.text is None]) if check_all else None  # type: ignore[misc]
     checked = iter(pre) if pre is not None else None
@@ -164,13 +180,13 @@ def resolve(segments: Sequence[Segment | str], encode: Callable[[str], list[int]
         if not t[0]:
             raise ValueError(f"segment {i} is empty; drop it or give it text")
         toks.append(t)
-    if require_tail and segs[-1].kind != "cross":
-        raise ValueError("a layout must end with a cross segment (the question or generation prompt), "
-                         "which attends to everything before it")
-    first_plus = next((i for i, s in enumerate(segs) if s.kind == "plus"), len(segs))
-    prefix_len = sum(len(t) for t, _ in toks[:first_plus])
-    lead = tuple(itertools.chain.from_iterable(t for t, _ in toks[:first_plus]))
-    anchor_len = {"none": 0, "prefix": prefix_len, "sink": len(sink)}
+    return toks
+
+
+def _check_anchors(segs: list[Segment], leading: list[Checked], sink: Sequence[int]) -> None:
+    """Every plus segment's anchor exists: `leading` holds the tokens of the leading cross segments."""
+    prefix_len = sum(len(t) for t, _ in leading)
+    lead = tuple(itertools.chain.from_iterable(t for t, _ in leading))
     for i, s in enumerate(segs):
         if s.kind == "plus" and s.anchor == "prefix" and prefix_len == 0:
             raise ValueError(f"segment {i} has anchor='prefix' but the layout has no leading cross "
@@ -180,9 +196,13 @@ def resolve(segments: Sequence[Segment | str], encode: Callable[[str], list[int]
                              f"sink prefix {list(sink)} (BOS + chat template opening)"
                              if sink else f"segment {i} has anchor='sink' but this model has no sink prefix "
                              "(no BOS and no chat template); use anchor='none' or 'prefix'")
-    if policy == "full" or first_plus == len(segs):
-        flat, packed = _joined(toks)
-        return [Piece("cross", flat, 0, packed=packed)]
+
+
+def _positioned(segs: list[Segment], toks: list[Checked], first_plus: int, sink_len: int) -> list[Piece]:
+    """The pieces of a layout with plus segments, at contiguous positions; consecutive cross
+    segments merge into one piece."""
+    prefix_len = sum(len(t) for t, _ in toks[:first_plus])
+    anchor_len = {"none": 0, "prefix": prefix_len, "sink": sink_len}
     pieces: list[Piece] = []
     if prefix_len:  # leading cross segments merge: together they are exactly a plain prompt's prefix
         flat, packed = _joined(toks[:first_plus])

@@ -105,6 +105,21 @@ class Collectives(Protocol):
                    eps: float) -> "tuple[torch.Tensor | None, torch.Tensor]": ...
 
 
+def _fetcher(weights: dict[str, torch.Tensor], dtype: torch.dtype,
+             device: torch.device) -> Callable[[str], torch.Tensor]:
+    """name -> that checkpoint tensor on `device` in `dtype`; a clear error when it is missing."""
+
+    def w(name: str) -> torch.Tensor:
+        if name not in weights:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+        # On CPU copy: loaders may hand out views of memory-mapped files, which page in slowly.
+        # On a GPU the tensor is already device memory; a copy would double an 8B model.
+        # Contiguous, so that a GEMM's kernel (and its rounding) follows the shape alone.
+        return weights[name].to(device=device, dtype=dtype, copy=device.type == "cpu").contiguous()
+
+    return w
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                  fused: bool | None = None, group: Collectives | None = None, vocab_size: int | None = None,
@@ -120,48 +135,12 @@ class LlamaModel:
         self.device = torch.device(device)
         self.ops = _ops(fused, self.device)
         self.linear, self.linear_float32 = _linears(self.ops is not _Eager and self.device.type == "cuda")
-
-        def w(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"checkpoint is missing tensor {name!r}")
-            # On CPU copy: loaders may hand out views of memory-mapped files, which page in slowly.
-            # On a GPU the tensor is already device memory; a copy would double an 8B model.
-            # Contiguous, so that a GEMM's kernel (and its rounding) follows the shape alone.
-            return weights[name].to(device=self.device, dtype=dtype, copy=self.device.type == "cpu").contiguous()
-
-        def opt(name: str) -> torch.Tensor | None:
-            return w(name) if name in weights else None
-
+        w = _fetcher(weights, dtype, self.device)
         self.cuts = None
         if cuts > 1:
             from spanserve.model.cuts import Cuts
             self.cuts = Cuts(config, cuts)
-
-        def proj(names: list[str]) -> torch.Tensor | list[torch.Tensor]:
-            if self.cuts is None:
-                return torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
-            return self.cuts.pieces(w, names)
-
-        self.layers: list[_Layer] = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            bias = None
-            if config.attention_bias:
-                bias = proj([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
-            elif self.cuts is not None:
-                bias = [None] * cuts
-            self.layers.append(_Layer(
-                qkv=proj([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
-                qkv_bias=bias,
-                o=proj([a + "o_proj.weight"]),
-                gate_up=proj([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                down=proj([p + "mlp.down_proj.weight"]),
-                input_norm=w(p + "input_layernorm.weight"),
-                post_norm=w(p + "post_attention_layernorm.weight"),
-                q_norm=opt(a + "q_norm.weight") if config.qk_norm else None,
-                k_norm=opt(a + "k_norm.weight") if config.qk_norm else None,
-            ))
+        self.layers: list[_Layer] = [self._load_layer(w, weights, i) for i in range(config.num_layers)]
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         head = weights.get("lm_head.weight")
@@ -173,6 +152,37 @@ class LlamaModel:
         # 1/32 near the top of the vocabulary, and greedy picks between exact ties (the lower id)
         # that the model did not make.
         self._head_f32 = dtype != torch.float32 and has_mm_out_dtype(self.device, dtype)
+
+    def _proj(self, w: Callable[[str], torch.Tensor], names: list[str]) -> Proj:
+        """The named tensors stacked along the outputs; with cuts, one such stack per rank."""
+        if self.cuts is None:
+            return torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
+        return self.cuts.pieces(w, names)
+
+    def _load_layer(self, w: Callable[[str], torch.Tensor], weights: dict[str, torch.Tensor], i: int) -> _Layer:
+        c = self.config
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        bias = None
+        if c.attention_bias:
+            bias = self._proj(w, [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
+        elif self.cuts is not None:
+            bias = [None] * self.cuts.n
+
+        def opt(name: str) -> torch.Tensor | None:
+            return w(name) if c.qk_norm and name in weights else None
+
+        return _Layer(
+            qkv=self._proj(w, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+            qkv_bias=bias,
+            o=self._proj(w, [a + "o_proj.weight"]),
+            gate_up=self._proj(w, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            down=self._proj(w, [p + "mlp.down_proj.weight"]),
+            input_norm=w(p + "input_layernorm.weight"),
+            post_norm=w(p + "post_attention_layernorm.weight"),
+            q_norm=opt(a + "q_norm.weight"),
+            k_norm=opt(a + "k_norm.weight"),
+        )
 
     @torch.inference_mode()
     def forward(
@@ -188,8 +198,6 @@ class LlamaModel:
         """Hidden states after the final norm, [T, hidden] (rows of tokens dropped from the
         active set by `hooks` hold stale values). `prepared`: the backend's layout of `plan`,
         when the caller made it (fixed-address layouts for CUDA graphs)."""
-        c = self.config
-        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         block_size = k_caches[0].shape[1]
         cos_all, sin_all = self.rotary.cos_sin(plan.positions, self.dtype)
         h = self.embed[input_ids]
@@ -197,7 +205,6 @@ class LlamaModel:
         if prepared is None:
             prepared = backend.prepare(plan, self.rotary, block_size)
         cos, sin = cos_all, sin_all
-        ops = self.ops
         # Without recomputation hooks (which may shrink the active rows between layers) the MLP's
         # sum applies the next layer's input norm (the final norm after the last layer): one kernel
         # instead of two per layer, the same bits.
@@ -211,39 +218,49 @@ class LlamaModel:
                 prepared = backend.prepare(sub, self.rotary, block_size)
                 cos, sin = (cos_all, sin_all) if idx is None else (cos_all[idx], sin_all[idx])
             hx = h if idx is None else h[idx]
-            T = hx.shape[0]
-            if x is None:
-                x = ops.rms_norm(hx, L.input_norm, c.rms_norm_eps)
-            if self.cuts is None:
-                qkv = self.linear(x, L.qkv, L.qkv_bias)
-            else:
-                qkv = self.cuts.qkv(x, L.qkv, L.qkv_bias, self.linear)
-            v = qkv[:, (H + KVH) * D:].view(T, KVH, D)  # a strided view: the KV write takes it as is
-            if L.q_norm is not None:
-                q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
-                q = ops.rotary(ops.rms_norm(q, L.q_norm, c.rms_norm_eps), cos, sin)
-                k = ops.rotary(ops.rms_norm(k, L.k_norm, c.rms_norm_eps), cos, sin)
-            else:
-                # Q and K are adjacent columns of qkv: rotate them as one [T, H + KVH, D] tensor,
-                # one launch instead of two (small steps are launch-bound on a GPU).
-                qk = ops.rotary(qkv[:, :(H + KVH) * D].view(T, H + KVH, D), cos, sin)
-                q, k = qk[:, :H], qk[:, H:]
-            backend.write(prepared, k, v, k_caches[i], v_caches[i])
-            if hooks is not None:
-                hooks.after_write(i, q, k, v, idx, k_caches[i], v_caches[i])
-            attn = backend.attend(prepared, q, k_caches[i], v_caches[i])
-            x, hx = self._add(attn if self.cuts is None else self.cuts.heads(attn), L.o, hx, L.post_norm)
-            if self.cuts is None:
-                act = ops.silu_mul(self.linear(x, L.gate_up))
-            else:
-                act = [ops.silu_mul(self.linear(x, g)) for g in L.gate_up]
             nxt = (self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm) if chain_norms else None
-            x, hx = self._add(act, L.down, hx, nxt)
+            x, hx = self._layer(i, L, x, hx, nxt, cos, sin, backend, prepared, k_caches[i], v_caches[i], hooks, idx)
             if idx is None:
                 h = hx
             else:
                 h[idx] = hx
-        return x if x is not None else ops.rms_norm(h, self.norm, c.rms_norm_eps)
+        return x if x is not None else self.ops.rms_norm(h, self.norm, self.config.rms_norm_eps)
+
+    def _layer(self, i: int, L: _Layer, x: torch.Tensor | None, hx: torch.Tensor, nxt: torch.Tensor | None,
+               cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend, prepared: object,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, hooks: LayerHooks | None,
+               idx: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Decoder layer i over the active rows hx: (the sum normed by `nxt` or None, the sum).
+        x: hx normed by this layer's input norm, when the previous layer's sum made it."""
+        c, ops = self.config, self.ops
+        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+        T = hx.shape[0]
+        if x is None:
+            x = ops.rms_norm(hx, L.input_norm, c.rms_norm_eps)
+        if self.cuts is None:
+            qkv = self.linear(x, L.qkv, L.qkv_bias)
+        else:
+            qkv = self.cuts.qkv(x, L.qkv, L.qkv_bias, self.linear)
+        v = qkv[:, (H + KVH) * D:].view(T, KVH, D)  # a strided view: the KV write takes it as is
+        if L.q_norm is not None:
+            q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
+            q = ops.rotary(ops.rms_norm(q, L.q_norm, c.rms_norm_eps), cos, sin)
+            k = ops.rotary(ops.rms_norm(k, L.k_norm, c.rms_norm_eps), cos, sin)
+        else:
+            # Q and K are adjacent columns of qkv: rotate them as one [T, H + KVH, D] tensor,
+            # one launch instead of two (small steps are launch-bound on a GPU).
+            qk = ops.rotary(qkv[:, :(H + KVH) * D].view(T, H + KVH, D), cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
+        backend.write(prepared, k, v, k_cache, v_cache)
+        if hooks is not None:
+            hooks.after_write(i, q, k, v, idx, k_cache, v_cache)
+        attn = backend.attend(prepared, q, k_cache, v_cache)
+        x, hx = self._add(attn if self.cuts is None else self.cuts.heads(attn), L.o, hx, L.post_norm)
+        if self.cuts is None:
+            act = ops.silu_mul(self.linear(x, L.gate_up))
+        else:
+            act = [ops.silu_mul(self.linear(x, g)) for g in L.gate_up]
+        return self._add(act, L.down, hx, nxt)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.group is None else self.group.all_reduce(x)

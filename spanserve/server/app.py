@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -59,48 +59,66 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(engine)
     async_engine = AsyncEngine(engine, max_pending=config.max_pending, observer=metrics)
     ctx = ServingContext(async_engine, config, metrics)
-    created = now_s()
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
-        try:
-            yield
-        finally:
-            await async_engine.shutdown()
-            ctx.close()
-            # queued tier writes finish (a disk tier keeps the pool's blocks for the next start)
-            await asyncio.get_running_loop().run_in_executor(None, engine.close)
-
-    app = FastAPI(title="spanserve", lifespan=lifespan)
+    app = FastAPI(title="spanserve", lifespan=_lifespan(engine, ctx))
     app.state.ctx = ctx
     install_handlers(app)
     if config.api_key:
         app.add_middleware(BearerAuth, api_key=config.api_key, open_paths=() if config.auth_all_routes else OPEN_PATHS)
+    _add_status_routes(app, ctx)
+    _add_openai_routes(app, ctx)
+    _add_span_routes(app, ctx)
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                          "/v1/segments": PinRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+                          "/v1/query/execute": {"type": "object", "description": "a span query in spnl's JSON"}})
+    return app
 
-    async def read_body(http: Request) -> bytes:
-        declared = http.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
-        body = await http.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
-        return body
+
+def _lifespan(engine: LLMEngine, ctx: ServingContext) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        ctx.engine.start()
+        try:
+            yield
+        finally:
+            await ctx.engine.shutdown()
+            ctx.close()
+            # queued tier writes finish (a disk tier keeps the pool's blocks for the next start)
+            await asyncio.get_running_loop().run_in_executor(None, engine.close)
+
+    return lifespan
+
+
+async def read_body(http: Request) -> bytes:
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    body = await http.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    return body
+
+
+def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
+    created = now_s()
 
     @app.get("/health")
     async def health() -> Response:
-        if not async_engine.is_alive:
+        if not ctx.engine.is_alive:
             return APIError(503, "the engine is not running", code="engine_unavailable").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=config.served_model_name, created=created, root=config.model_source,
-                                         max_model_len=ctx.max_model_len)])
+        return ModelList(data=[ModelCard(id=ctx.config.served_model_name, created=created,
+                                         root=ctx.config.model_source, max_model_len=ctx.max_model_len)])
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
+    config = ctx.config
 
     @app.post("/v1/completions")
     async def completions(http: Request) -> Response:
@@ -126,6 +144,8 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         screen_unknown(req, config.strict_params, "/detokenize")
         return await detokenize(ctx, req)
 
+
+def _add_span_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/query/execute")
     async def query_execute(http: Request) -> Response:
         # The body is spnl's query JSON, sent as text/plain or application/json alike.
@@ -138,8 +158,3 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.delete("/v1/segments/{key:segment_key}")
     async def unpin(key: str, cache_salt: str | None = None) -> UnpinResponse:
         return await unpin_segment(ctx, key, cache_salt)
-
-    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                          "/v1/segments": PinRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
-                          "/v1/query/execute": {"type": "object", "description": "a span query in spnl's JSON"}})
-    return app
