@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import time
 from typing import Any, Iterable, Sequence
@@ -47,6 +48,10 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+# Attributes of an engine that hold device memory (weights, KV pool, graphs, masks): dropped at shutdown.
+_DEVICE_PARTS = ("executor", "model", "storage", "manager", "scheduler", "pool", "sampler", "grammars", "tp")
 
 
 class LLMEngine:
@@ -164,16 +169,30 @@ class LLMEngine:
         self._pending: Pending | None = None  # a chained step whose picks the host has not seen
         self._settled_at = 0.0
         self.chained_steps = 0  # steps launched before the host saw the previous one's picks
+        self.closed = False
         self.counters = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0, "preemptions": 0,
                          "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers and finish the tiers' queued writes (a disk tier also keeps
-        what the pool holds, for the next start). The engine is not used afterwards."""
+        """Stop tensor-parallel workers, finish the tiers' queued writes (a disk tier also keeps
+        what the pool holds, for the next start) and free the device: the KV pool, CUDA graphs
+        and weights are released, so another engine in this process gets their memory back.
+        The engine is not used afterwards; calling this again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         if self.tiers is not None:
             tiers, self.tiers = self.tiers, None
             tiers.close(self.pool if self.tp is None or self.tp.dead is None else None)  # dead: KV unreadable
         self.executor.shutdown()
+        self.requests.clear()
+        self._pending = None
+        device = self.device
+        for name in _DEVICE_PARTS:  # everything that holds device memory, directly or through a part
+            self.__dict__.pop(name, None)
+        gc.collect()  # the parts reference each other (runner -> graphs -> model)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # cached blocks back to the device, where mem_get_info sees them
 
     def close(self) -> None:
         self.shutdown()
@@ -209,6 +228,8 @@ class LLMEngine:
                     request_id: str | None = None, namespace: str = "", policy: "str | Policy | None" = None,
                     **extra: Any) -> Request:
         """prompt: text, token ids, or a span layout (a list of Segments)."""
+        if self.closed:
+            raise RuntimeError("this engine was shut down; build a new one")
         params = params or SamplingParams()
         self._check_params(params)
         pol = resolve_policy(policy, self.default_policy)
