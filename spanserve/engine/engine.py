@@ -16,10 +16,10 @@ from spanserve.cache.manager import CacheManager
 from spanserve.cache.tiers import BlockShape, OffloadConfig, model_fingerprint
 from spanserve.cache.tiers.stack import TierStack
 from spanserve.engine.batch import prepare
-from spanserve.engine.detokenize import IncrementalText, make_decoder
+from spanserve.engine.detokenize import make_decoder
 from spanserve.engine.layout import Segment, checked_many, checked_tokens, resolve
 from spanserve.engine.layout import sink_prefix as layout_sink_prefix
-from spanserve.engine.outputs import RequestOutput, output_of, stop_check
+from spanserve.engine.outputs import RequestOutput, output_of
 from spanserve.engine.overlap import Pending, chainable, continues, may_continue, next_is_chained
 from spanserve.engine.params import SamplingParams
 from spanserve.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
@@ -28,6 +28,7 @@ from spanserve.engine.runtime import make_backend
 from spanserve.engine.sampling import Sampler, make_generator
 from spanserve.engine.scheduler import Chunk, Schedule, Scheduler
 from spanserve.engine.step_stats import DecodeStepStats
+from spanserve.engine.stops import OutputText, token_stop
 from spanserve.engine.structured import Grammars, parse_response_format
 from spanserve.model.llama import LlamaModel
 from spanserve.model.loader import LoadedModel, load_model
@@ -170,6 +171,7 @@ class LLMEngine:
         self._settled_at = 0.0
         self.chained_steps = 0  # steps launched before the host saw the previous one's picks
         self.closed = False
+        self.detokenize = True  # text and stop strings here (the Python API); an engine core leaves them to its client
         self.counters = {"prefix": 0, "perforated": 0, "segment": 0, "computed": 0, "preemptions": 0,
                          "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
 
@@ -205,7 +207,7 @@ class LLMEngine:
             return int(free * 0.8)
         return 1 << 30
 
-    @property
+    @functools.cached_property
     def eos_token_ids(self) -> set[int]:
         ids = set(self.config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -286,7 +288,11 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One model step. With overlap, a decode step whose picks stay on the device may be in
+        """One model step: the outputs of the requests it advanced (finished ones included)."""
+        return [output_of(r) for r in self.advance()]
+
+    def advance(self) -> list[Request]:
+        """One model step: the requests it advanced, finished ones released. With overlap, a decode step whose picks stay on the device may be in
         flight when this returns: the next call launches the step after it, then takes its
         tokens in while that one runs (or, when the batch changes, takes them in first)."""
         t0 = time.perf_counter()
@@ -309,7 +315,7 @@ class LLMEngine:
         schedule.chunks = [c for c in chunks if not c.request.finished]
         return outputs + (self._run(schedule, t0) if schedule.chunks else [])
 
-    def _idle(self) -> list[RequestOutput]:
+    def _idle(self) -> list[Request]:
         """A step with nothing to compute: pins whose segments were all cached finish, a request
         that cannot be admitted with nothing running fails (rather than hang), or the loop
         sleeps on tier loads (rather than spin)."""
@@ -317,16 +323,16 @@ class LLMEngine:
         if done_pins:
             for r in done_pins:
                 self._pin(r)
-            return [self._finish_output(r) for r in done_pins]
+            return [self._retire(r) for r in done_pins]
         req = self.scheduler.stuck()
         if req is not None:
             req.finish_reason = "length"
             self.scheduler.finish(req)
-            return [self._finish_output(req)]
+            return [self._retire(req)]
         self.scheduler.wait_for_loads()
         return []
 
-    def _run(self, schedule: Schedule, t0: float) -> list[RequestOutput]:
+    def _run(self, schedule: Schedule, t0: float) -> list[Request]:
         """Runs a scheduled step: forward, sampling (or, chained, picks left on the device), outputs."""
         chunks = schedule.chunks
         scores = any(wants_prompt_logprobs(c) for c in chunks)  # needs every position's hidden state
@@ -349,7 +355,7 @@ class LLMEngine:
         return outputs
 
     def _launch(self, chunks: list[Chunk], out: StepOutput, t0: float,
-                settle: Pending | None = None) -> list[RequestOutput]:
+                settle: Pending | None = None) -> list[Request]:
         """Picks a chained step's tokens on the device, takes in the step before it (if any)
         while this one runs, then gives every request that goes on a placeholder for its pick."""
         sampled = [(c.request, r) for c, r in zip(chunks, out.rows)]
@@ -366,7 +372,7 @@ class LLMEngine:
         self._pending = pending
         return outputs
 
-    def _settle(self, pending: Pending) -> list[RequestOutput]:
+    def _settle(self, pending: Pending) -> list[Request]:
         """The host takes in a chained step's picks: each becomes its request's token."""
         tokens, *extra = self.executor.fetch(pending.picks)
         now = time.perf_counter()
@@ -378,21 +384,20 @@ class LLMEngine:
         picked = [(req, tokens[i], lps[i]) for req, i in pending.sampled if not req.finished]  # not aborted
         return self._take(picked, [req for req, _, _ in picked])
 
-    def _take(self, picked: "list[tuple[Request, int, Any]]", touched: "Iterable[Request]") -> list[RequestOutput]:
-        """Appends each picked token (with its logprobs) to its request, then the outputs of
-        every request the step touched."""
+    def _take(self, picked: "list[tuple[Request, int, Any]]", touched: "Iterable[Request]") -> list[Request]:
+        """Appends each picked token (with its logprobs) to its request; every request the step
+        touched publishes its computed blocks, or is retired if it finished."""
         for req, tok, lp in picked:
             self._append(req, tok, lp)
-        outputs = []
-        for req in touched:
+        out = list(touched)
+        for req in out:
             if req.encode_only and req.computed:
                 self._pin(req)
             if req.finished:
-                outputs.append(self._finish_output(req))
-                continue
-            self.manager.publish(req.kv)
-            outputs.append(output_of(req))
-        return outputs
+                self._retire(req)
+            else:
+                self.manager.publish(req.kv)
+        return out
 
     def structured(self, req: Request) -> bool:
         return req.request_id in self.grammars
@@ -411,20 +416,15 @@ class LLMEngine:
         else:
             main.append(tok)
         self.counters["generation_tokens"] += 1
-        p = req.params
-        prev_len = len(req.text)
-        if req.detok is None:
-            req.detok = IncrementalText(self._decode)
-        req.text = req.detok.update(req.output_token_ids)
         grammar_done = req.request_id in self.grammars and self.grammars.ends(req.request_id, tok)
-        reason, stop, text = stop_check(req.text, prev_len, tok, p, self.eos_token_ids, grammar_done,
-                                        len(req.output_token_ids), len(main.tokens) >= self.max_model_len)
-        req.text = text
-        if reason is not None:
-            req.stop_reason = stop
-            if not isinstance(req.stop_reason, str):  # not cut at a stop string: all of the text
-                req.text = req.detok.update(req.output_token_ids, final=True)
-            req.finish_reason = reason
+        stop = token_stop(tok, req.params, self.eos_token_ids, grammar_done, len(req.output_token_ids),
+                          len(main.tokens) >= self.max_model_len)
+        if self.detokenize:  # else the engine core's client detokenizes and checks stop strings
+            if req.output is None:
+                req.output = OutputText(self._decode, req.params)
+            stop = req.output.add(req.output_token_ids, stop)
+        if stop is not None:
+            req.finish_reason, req.stop_reason, req.stopped_by = stop.reason, stop.stop_reason, stop.by
             self.scheduler.finish(req)
 
     # ---- pinned segments -------------------------------------------------------------------
@@ -466,10 +466,11 @@ class LLMEngine:
     def _detok(self, ids: list[int]) -> str:
         return self._decode(ids)
 
-    def _finish_output(self, req: Request) -> RequestOutput:
+    def _retire(self, req: Request) -> Request:
+        """A finished request leaves the engine; its counts join the engine's."""
         self.requests.pop(req.request_id, None)
         self.grammars.close(req.request_id)
         self.counters["requests_finished"] += 1
         for k, n in req.reuse.items():  # the reuse kinds, and tokens loaded per tier if any
             self.counters[k] = self.counters.get(k, 0) + n
-        return output_of(req)
+        return req

@@ -1,4 +1,4 @@
-"""What the engine hands back for a request, and how text and stop strings are tracked."""
+"""What the engine hands back for a request."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,35 +22,6 @@ class RequestOutput:
     logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # [0] is None: nothing precedes it
     metrics: dict[str, Any] = field(default_factory=dict)
-
-
-def find_stop(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:
-    """Earliest stop string that starts at or after search_from (text already emitted before
-    that point was checked in earlier steps)."""
-    best: tuple[int, str] | None = None
-    for s in stops:
-        i = text.find(s, max(0, search_from - len(s) + 1))
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
-    return best
-
-
-def stop_check(text: str, prev_len: int, tok: int, p: Any, eos: set[int], grammar_done: bool, n_out: int,
-               at_max_len: bool) -> tuple[str | None, str | int | None, str]:
-    """After appending `tok` (the text grew from prev_len characters): (finish reason or None,
-    stop reason, the text cut at a stop string if one ended it). `p`: the SamplingParams."""
-    if tok in p.stop_token_ids:
-        return "stop", tok, text
-    if not p.ignore_eos and tok in eos:
-        return "stop", None, text
-    if p.stop and (hit := find_stop(text, p.stop, prev_len)) is not None:
-        i, s = hit
-        return "stop", s, text[: i + (len(s) if p.include_stop_str_in_output else 0)]
-    if grammar_done:
-        return "stop", None, text
-    if n_out >= p.max_tokens or at_max_len:
-        return "length", None, text
-    return None, None, text
 
 
 def output_of(req: "Request") -> RequestOutput:

@@ -11,9 +11,9 @@ import torch
 from spanserve.cache.block_pool import Block
 from spanserve.cache.claim import Admission, Piece, Task
 from spanserve.cache.units import Holding, Unit
-from spanserve.engine.detokenize import IncrementalText
 from spanserve.engine.params import SamplingParams
 from spanserve.engine.sampling import TokenLogprobs
+from spanserve.engine.stops import OutputText
 
 
 class Status(enum.Enum):
@@ -39,8 +39,8 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token; [0] is None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    text: str = ""
-    detok: IncrementalText | None = None  # the engine's incremental decoding of the output
+    stopped_by: str | None = None  # engine/stops.py's Stop.by
+    output: OutputText | None = None  # the text, where the engine detokenizes
     first_token_time: float | None = None
     # what the request holds in the cache, owned by the cache manager while the request is admitted
     kv: Holding = field(default_factory=Holding)
@@ -74,6 +74,10 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def text(self) -> str:
+        return "" if self.output is None else self.output.text
 
     @property
     def computed(self) -> bool:
