@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> None:
             codec = codecs[name]
             data = bytes(codec.encode(block))
             assert torch.equal(codec.decode(data, block.key).kv, block.kv)
-            res["encode"] = measure(lambda: codec.encode(block), args.number, args.reps)
-            res["decode"] = measure(lambda: codec.decode(data, block.key), args.number, args.reps)
+            res["encode"] = measure(lambda c=codec: c.encode(block), args.number, args.reps)
+            res["decode"] = measure(lambda c=codec, d=data: c.decode(d, block.key), args.number, args.reps)
         out[name] = res
         gbps = shape.kv_bytes / res["seal"]["best_us"] / 1e3
         rows.append([name, res["seal"]["best_us"], gbps] + [res[k]["best_us"] if k in res else "-"

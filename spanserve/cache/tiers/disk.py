@@ -60,22 +60,29 @@ class DiskTier(Tier):
 
     def _index(self) -> int:
         found, ignored = [], 0
-        for entry in os.scandir(self.dir):
-            try:
-                ok = _NAME.fullmatch(entry.name) is not None and entry.is_file(follow_symlinks=False)
-                st = entry.stat(follow_symlinks=False) if ok else None
-            except OSError:  # gone meanwhile (another process sharing the directory trimmed it)
-                ok, st = False, None
-            if st is None or st.st_size != self.size:
-                ignored += 1
-                continue
-            found.append((st.st_mtime, int(entry.name[:32], 16)))
+        with os.scandir(self.dir) as entries:
+            for entry in entries:
+                st = self._block_file(entry)
+                if st is None:
+                    ignored += 1
+                else:
+                    found.append((st.st_mtime, int(entry.name[:32], 16)))
         for _, key in sorted(found):
             self._files[key] = None
         if ignored:
             log.warning("disk KV tier %s: ignored %d entries that are not block files of this tier "
                         "(other names, symlinks, other sizes, temporary files)", self.dir, ignored)
         return ignored
+
+    def _block_file(self, entry: os.DirEntry) -> os.stat_result | None:
+        """The entry's stat if it is a block file as this tier writes them, else None."""
+        try:
+            if _NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                st = entry.stat(follow_symlinks=False)
+                return st if st.st_size == self.size else None
+        except OSError:  # gone meanwhile (another process sharing the directory trimmed it)
+            pass
+        return None
 
     def contains_many(self, keys: Sequence[int]) -> np.ndarray:
         with self._lock:
