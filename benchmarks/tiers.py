@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import secrets
 import shutil
 import sys
 import tempfile
@@ -92,7 +93,9 @@ class Bench:
         request_blocks = args.n * -(-args.doc_len // BS) + -(-(args.question_len + 16) // BS) + 4
         offload = {"cpu_bytes": (self.doc_blocks + 64) * per_block, "store_url": store_url,
                    "disk_path": disk_dir if "disk" in args.tiers else None,
-                   "disk_bytes": 2 * (self.doc_blocks + 64) * per_block, "store_timeout_ms": args.store_timeout_ms}
+                   "disk_bytes": 2 * (self.doc_blocks + 64) * per_block, "store_timeout_ms": args.store_timeout_ms,
+                   "store_secret": secrets.token_hex(16)}  # payloads on disk and in the store carry a MAC
+        self.store_url = store_url
         offload["async_loads"] = False  # loads inside admission, where timed_fill times them
         extra: dict[str, Any] = {}
         if device == "cuda":
@@ -222,7 +225,7 @@ def ceiling(bench: Bench, blocks: list[BlockKV], tier: str) -> float:
     else:
         import redis
 
-        client = redis.Redis.from_url(stack.store.url, socket_timeout=60)  # a plain reader, no deadline
+        client = redis.Redis.from_url(bench.store_url, socket_timeout=60)  # a plain reader, no deadline
         keys = [stack.store._key(b.key) for b in blocks]
         total = 0
         for lo in range(0, len(keys), 64):

@@ -34,6 +34,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="shared Redis/Valkey store for segment blocks, e.g. redis://127.0.0.1:6379/0")
     t.add_argument("--kv-store-timeout-ms", type=float, default=50.0,
                    help="per batch round trip to the store; slower is a miss")
+    t.add_argument("--kv-store-secret", default=None, metavar="SECRET",
+                   help="key of the MAC on every block in the store and on disk (16+ characters); "
+                        "prefer the environment variable SPANSERVE_KV_SECRET: a flag shows in `ps`")
+    t.add_argument("--kv-store-insecure", action="store_true",
+                   help="use --kv-store without a secret, trusting every block anyone who can write to it puts there")
+    t.add_argument("--kv-store-ttl", type=int, default=7 * 24 * 3600, metavar="SECONDS",
+                   help="store entries expire this long after they are written (default 7 days; 0: never)")
 
 
 def _offload(args: argparse.Namespace) -> "dict | None":
@@ -41,7 +48,8 @@ def _offload(args: argparse.Namespace) -> "dict | None":
         return None
     return {"cpu_bytes": args.kv_offload_cpu, "disk_path": args.kv_offload_disk,
             "disk_bytes": args.kv_offload_disk_size, "store_url": args.kv_store,
-            "store_timeout_ms": args.kv_store_timeout_ms}
+            "store_timeout_ms": args.kv_store_timeout_ms, "store_secret": args.kv_store_secret,
+            "store_insecure": args.kv_store_insecure, "store_ttl_s": args.kv_store_ttl}
 
 
 def _size(text: str) -> int:

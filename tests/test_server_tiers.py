@@ -1,6 +1,7 @@
 """KV tiers end to end on `spanserve serve` subprocesses (tiny model): a restart finds its disk
-tier, two servers share one Redis, and Redis dying under streaming clients costs nothing but
-recomputation."""
+tier, two servers share one Redis (a third with another secret uses none of it), and Redis dying
+under streaming clients costs nothing but recomputation. The servers take the store secret from
+SPANSERVE_KV_SECRET, so the store's and the disk's payloads carry a MAC."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,12 @@ from test_server_harness import build_tiny_model, run_server
 
 MODEL = "tiny"
 BS = 8
+SECRET = "server-test-secret-0123456789"
+
+
+@pytest.fixture(autouse=True)
+def _store_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPANSERVE_KV_SECRET", SECRET)  # the servers started here inherit it
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +114,14 @@ def test_two_servers_share_segments_through_redis(model: Path, tmp_path: Path) -
             assert _tokens(again) == _tokens(first)
             n_blocks = sum(-(-len(d) // BS) for d in docs)
             assert _sample(b.url, "spanserve_kv_tier_hits_total", 'tier="store"') == n_blocks
+            assert _sample(b.url, "spanserve_kv_tier_auth_failures_total", 'tier="store"') == 0
+        # another secret: none of the entries is used, each one is counted, the answer is the same
+        other = ("--kv-store-secret", "another-secret-0123456789")
+        with run_server(str(model), tmp_path, *_args(*store, *other)) as c:
+            third = _complete(c.url, _layout(shuffled, question))
+            assert _reuse(third)["store"] == 0 and _tokens(third) == _tokens(second)
+            assert _sample(c.url, "spanserve_kv_tier_hits_total", 'tier="store"') == 0
+            assert _sample(c.url, "spanserve_kv_tier_auth_failures_total", 'tier="store"') == n_blocks
     finally:
         redis.stop()
 
@@ -174,9 +189,11 @@ def test_redis_killed_under_streaming_clients(model: Path, tmp_path: Path) -> No
                 client.set(k, v[: len(v) // 2] if j % 2 else v[:100] + bytes([v[100] ^ 1]) + v[101:])
             for i in range(6):
                 _complete(srv.url, _layout(_docs(60 + i, 3), [44]))
-            bad = _sample(srv.url, "spanserve_kv_tier_checksum_failures_total", 'tier="store"')
+            refused = ("spanserve_kv_tier_checksum_failures_total", "spanserve_kv_tier_auth_failures_total")
+            bad = sum(_sample(srv.url, name, 'tier="store"') for name in refused)
             again = _complete(srv.url, _layout(fresh, [40, 41]))
-            assert _sample(srv.url, "spanserve_kv_tier_checksum_failures_total", 'tier="store"') > bad
+            # a truncated payload fails the length check, an altered one the MAC
+            assert sum(_sample(srv.url, name, 'tier="store"') for name in refused) > bad
             assert _reuse(again)["store"] == 0
             assert _tokens(again) == _tokens(_complete(srv.url, _layout(fresh, [40, 41])))
     finally:

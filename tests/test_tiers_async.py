@@ -75,7 +75,8 @@ class Gate:
 
 def _engine(loaded, async_loads: bool = True, store_url: "str | None" = None) -> LLMEngine:
     return LLMEngine(loaded, block_size=BS, num_blocks=N_BLOCKS,
-                     kv_offload={"cpu_bytes": "1MiB", "async_loads": async_loads, "store_url": store_url})
+                     kv_offload={"cpu_bytes": "1MiB", "async_loads": async_loads, "store_url": store_url,
+                                 "store_secret": "async-test-secret-0123456789"})
 
 
 def _to_host(eng: LLMEngine, layout) -> dict[int, BlockKV]:

@@ -42,7 +42,7 @@ def _layout(rng: random.Random) -> list[Segment]:
 
 def _offload(tmp_path, redis_server, async_loads: bool) -> dict:
     return {"cpu_bytes": "1MiB", "disk_path": str(tmp_path / "kv"), "disk_bytes": "8MiB",
-            "store_url": redis_server.url, "async_loads": async_loads}
+            "store_url": redis_server.url, "store_secret": "oracle-test-secret-0123456789", "async_loads": async_loads}
 
 
 def _cached_blocks(llm: LLM) -> list[BlockKV]:

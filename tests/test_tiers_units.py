@@ -9,6 +9,7 @@ import torch
 from spanserve import LLM, SamplingParams
 from spanserve.cache.tiers import BlockKV, BlockShape, OffloadConfig
 from spanserve.cache.tiers import payload
+from spanserve.cache.tiers.payload import PayloadCodec
 from spanserve.cache.tiers.disk import DiskTier
 from spanserve.cache.tiers.host import HostTier
 from spanserve.cache.tiers.redis import RedisTier
@@ -18,6 +19,9 @@ from tiny_models import make_tiny_model
 
 SHAPE = BlockShape(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 FP = bytes(range(16))
+SECRET = b"unit-test-secret-0123456789"
+CODEC = PayloadCodec(SHAPE, FP)  # checksum
+KEYED = PayloadCodec(SHAPE, FP, SECRET)  # MAC
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
@@ -30,30 +34,46 @@ def _same(a: BlockKV, b: BlockKV) -> bool:
     return a.key == b.key and a.tokens == b.tokens and torch.equal(a.kv, b.kv)
 
 
-def test_payload_round_trip_and_every_defect_is_refused():
+@pytest.mark.parametrize("codec", [CODEC, KEYED], ids=["checksum", "mac"])
+def test_payload_round_trip_and_every_defect_is_refused(codec):
     b = _block(12345)
-    data = payload.encode(b, SHAPE, FP)
+    data = codec.encode(b)
     assert len(data) == SHAPE.payload_bytes
-    assert _same(payload.decode(data, 12345, SHAPE, FP), b)
+    assert _same(codec.decode(bytes(data), 12345), b) and _same(codec.decode(bytearray(data), 12345), b)
+    refusal = payload.AuthFailure if codec.authenticated else payload.BadPayload
     rng = random.Random(0)
-    for at in [0, 5, 40, 80, len(data) // 2, len(data) - 1] + [rng.randrange(len(data)) for _ in range(20)]:
+    for at in [0, 5, 6, 40, 80, len(data) // 2, len(data) - 1] + [rng.randrange(len(data)) for _ in range(20)]:
         bad = bytearray(data)
         bad[at] ^= 1 << rng.randrange(8)
-        with pytest.raises(payload.BadPayload):
-            payload.decode(bytes(bad), 12345, SHAPE, FP)
+        with pytest.raises(refusal):
+            codec.decode(bytes(bad), 12345)
     for cut in (0, 10, len(data) - 1):
         with pytest.raises(payload.BadPayload, match="bytes"):
-            payload.decode(data[:cut], 12345, SHAPE, FP)
-    with pytest.raises(payload.BadPayload, match="another key"):
-        payload.decode(data, 999, SHAPE, FP)
+            codec.decode(data[:cut], 12345)
+    with pytest.raises(refusal, match="another key"):  # the seal covers the key it is stored under
+        codec.decode(data, 999)
     with pytest.raises(payload.BadPayload, match="another model"):
-        payload.decode(data, 12345, SHAPE, bytes(16))
+        PayloadCodec(SHAPE, bytes(16), codec._mac and SECRET).decode(data, 12345)
     tail = BlockKV(77, (5, 6), b.kv, parent=12345)  # a partial block keeps its parent
-    assert _same(payload.decode(payload.encode(tail, SHAPE, FP), 77, SHAPE, FP), tail)
-    assert payload.decode(payload.encode(tail, SHAPE, FP), 77, SHAPE, FP).parent == 12345
-    other = BlockShape(2, 4, 2, 8, torch.float16)
+    assert _same(codec.decode(codec.encode(tail), 77), tail)
+    assert codec.decode(codec.encode(tail), 77).parent == 12345
+    other = PayloadCodec(BlockShape(2, 4, 2, 8, torch.float16), FP, codec._mac and SECRET)
     with pytest.raises(payload.BadPayload, match="shape"):
-        payload.decode(payload.encode(BlockKV(1, b.tokens, b.kv.to(torch.float16)), other, FP), 1, SHAPE, FP)
+        codec.decode(other.encode(BlockKV(1, b.tokens, b.kv.to(torch.float16))), 1)
+
+
+def test_a_mac_accepts_its_secret_alone():
+    """What a writer without the secret can produce, a keyed reader refuses: a MAC under another
+    secret, or a checksum (which anyone can compute); a checksum reader refuses MACs it cannot check."""
+    b = _block(5, 1)
+    assert _same(KEYED.decode(PayloadCodec(SHAPE, FP, SECRET).encode(b), 5), b)
+    for forger in (PayloadCodec(SHAPE, FP, b"another-secret-0123456789"), CODEC):
+        with pytest.raises(payload.AuthFailure, match="MAC mismatch"):
+            KEYED.decode(forger.encode(b), 5)
+    with pytest.raises(payload.BadPayload, match="no secret"):
+        CODEC.decode(KEYED.encode(b), 5)
+    with pytest.raises(ValueError, match="empty"):
+        PayloadCodec(SHAPE, FP, b"")
 
 
 def test_host_tier_is_lru_within_its_bytes():
@@ -69,16 +89,16 @@ def test_host_tier_is_lru_within_its_bytes():
 
 
 def test_disk_tier_survives_restart_and_drops_bad_files(tmp_path):
-    disk = DiskTier(tmp_path, 3 * SHAPE.payload_bytes, SHAPE, FP)
+    disk = DiskTier(tmp_path, 3 * SHAPE.payload_bytes, CODEC)
     disk.store_many([_block(k, k) for k in (1, 2, 3, 4)])  # over budget: 1 goes
     assert disk.contains_many([1, 2, 3, 4]).tolist() == [False, True, True, True]
-    again = DiskTier(tmp_path, 3 * SHAPE.payload_bytes, SHAPE, FP)  # a restart
+    again = DiskTier(tmp_path, 3 * SHAPE.payload_bytes, CODEC)  # a restart
     assert _same(again.load_many([3])[0], _block(3, 3))
     path = again._path(2)
     path.write_bytes(path.read_bytes()[:-10])  # truncated
     assert again.load_many([2]) == [None]
     assert again.stats.bad_payloads == 1 and not path.exists()
-    other = DiskTier(tmp_path, 3 * SHAPE.payload_bytes, SHAPE, bytes(16))  # another model: nothing
+    other = DiskTier(tmp_path, 3 * SHAPE.payload_bytes, PayloadCodec(SHAPE, bytes(16)))  # another model: nothing
     assert other.contains_many([3, 4]).tolist() == [False, False]
 
 
@@ -86,16 +106,16 @@ def test_disk_tier_refuses_an_unwritable_directory(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(ValueError, match="not writable"):
-        DiskTier(blocker / "kv", 1 << 20, SHAPE, FP)
+        DiskTier(blocker / "kv", 1 << 20, CODEC)
     if os.geteuid() != 0:  # root writes anywhere
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)
         with pytest.raises(ValueError, match="not writable"):
-            DiskTier(ro, 1 << 20, SHAPE, FP)
+            DiskTier(ro, 1 << 20, CODEC)
 
 
 def test_redis_tier_faults_are_misses(redis_server):
-    store = RedisTier(redis_server.url, SHAPE, FP, timeout_ms=200, retry_s=0.2)
+    store = RedisTier(redis_server.url, KEYED, timeout_ms=200, retry_s=0.2)
     store.store_many([_block(k, k) for k in (10, 11)])
     assert store.contains_many([10, 11, 12]).tolist() == [True, True, False]
     got = store.load_many([11, 12, 10])
@@ -105,11 +125,12 @@ def test_redis_tier_faults_are_misses(redis_server):
     r.set(key, r.get(key)[:-3])  # truncated
     r.set(store._key(11), b"x" * SHAPE.payload_bytes)  # garbage of the right size
     assert store.load_many([10, 11]) == [None, None]
-    assert store.stats.bad_payloads == 2 and r.exists(key) == 0  # removed, so a rewrite replaces it
+    assert store.stats.bad_payloads == 1 and store.stats.auth_failures == 1  # the garbage fails the MAC
+    assert r.exists(key) == 0 and r.exists(store._key(11)) == 0  # removed, so a rewrite replaces them
     with pytest.raises(ValueError, match="unreachable"):
-        RedisTier(f"redis://127.0.0.1:{free_port()}/0", SHAPE, FP, timeout_ms=50)
+        RedisTier(f"redis://127.0.0.1:{free_port()}/0", KEYED, timeout_ms=50)
     with pytest.raises(ValueError, match="URL"):
-        RedisTier("http://nowhere", SHAPE, FP)
+        RedisTier("http://nowhere", KEYED)
 
 
 def test_offload_config_errors():
@@ -152,7 +173,7 @@ def test_evicted_blocks_are_written_back_and_spill_to_disk(loaded, tmp_path):
         assert llm.engine.tiers.dropped == 0
 
 
-def test_cli_refuses_bad_tier_settings(tmp_path, capsys):
+def test_cli_refuses_bad_tier_settings(tmp_path, capsys, monkeypatch):
     path, _ = make_tiny_model("llama", tmp_path / "m")
     from spanserve.cli import main
 
@@ -160,8 +181,20 @@ def test_cli_refuses_bad_tier_settings(tmp_path, capsys):
     with pytest.raises(SystemExit):  # argparse's own usage error
         main(base + ["--kv-offload-cpu", "lots"])
     assert "not a size" in capsys.readouterr().err
-    assert main(base + ["--kv-store", f"redis://127.0.0.1:{free_port()}/0"]) == 2
-    assert "unreachable" in capsys.readouterr().err
+    monkeypatch.delenv("SPANSERVE_KV_SECRET", raising=False)
+    nowhere = ["--kv-store", f"redis://127.0.0.1:{free_port()}/0"]
+    assert main(base + nowhere) == 2  # a store without a secret
+    err = capsys.readouterr().err
+    assert all(w in err for w in ("needs a secret", "SPANSERVE_KV_SECRET", "--kv-store-secret", "--kv-store-insecure"))
+    assert main(base + nowhere + ["--kv-store-secret", "short"]) == 2
+    assert "at least 16" in capsys.readouterr().err
+    for extra in (["--kv-store-insecure"], ["--kv-store-secret", "s" * 16], ["--kv-store-ttl", "60"]):
+        if extra[0] == "--kv-store-ttl":  # the secret from the environment
+            monkeypatch.setenv("SPANSERVE_KV_SECRET", "e" * 16)
+        assert main(base + nowhere + extra) == 2  # past the secret check, to the connection
+        assert "unreachable" in capsys.readouterr().err
+    assert main(base + nowhere + ["--kv-store-ttl", "-1"]) == 2
+    assert "store_ttl_s" in capsys.readouterr().err
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert main(base + ["--kv-offload-disk", str(blocker / "kv")]) == 2

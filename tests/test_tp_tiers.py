@@ -34,6 +34,7 @@ def _toks(n, seed, vocab=384):
 
 PROMPTS = [_toks(37, i) for i in range(5)]
 DOCS = [_toks(n, 100 + n) for n in (13, 9, 17)]
+SECRET = "tp-test-secret-0123456789"  # the store's and the disk tier's payloads carry a MAC
 
 
 def _layout(order, q):
@@ -57,7 +58,8 @@ def tp(model, tmp_path_factory, redis_server):
     disk = tmp_path_factory.mktemp("tp-kv") / "kv"
     llm = LLM(str(model), block_size=BS, num_blocks=POOL, tensor_parallel_size=2,
               kv_offload={"cpu_bytes": 20 * 2048, "disk_path": str(disk), "disk_bytes": "8MiB",  # host: 20 blocks
-                          "store_url": redis_server.url, "store_timeout_ms": 5000})
+                          "store_url": redis_server.url, "store_secret": SECRET,
+                          "store_timeout_ms": 5000})
     yield llm, disk
     llm.shutdown()
 
@@ -128,7 +130,8 @@ def test_a_disk_tier_written_at_tp2_serves_tp1(model, ref, tp):
     llm, disk = tp
     run_all(llm.engine, PROMPTS)
     llm.shutdown()  # what the host tier and the pool hold goes to disk too
-    one = LLM(str(model), block_size=BS, num_blocks=512, kv_offload={"disk_path": str(disk), "disk_bytes": "8MiB"})
+    one = LLM(str(model), block_size=BS, num_blocks=512,
+              kv_offload={"disk_path": str(disk), "disk_bytes": "8MiB", "store_secret": SECRET})
     reuse = _same_outputs(ref, one, PROMPTS)
     assert reuse["disk"] >= len(PROMPTS) * 36  # every prompt served from disk but its last token
     one.close()

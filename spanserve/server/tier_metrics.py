@@ -18,6 +18,8 @@ _COUNTERS = (
     ("bytes_out", "spanserve_kv_tier_bytes_out", "bytes loaded from a tier"),
     ("bad_payloads", "spanserve_kv_tier_checksum_failures",
      "stored blocks refused on load (checksum, truncation, shape, model or key mismatch)"),
+    ("auth_failures", "spanserve_kv_tier_auth_failures",
+     "stored blocks whose MAC failed on load (forged, altered, another secret's or copied under another key)"),
     ("errors", "spanserve_kv_tier_errors", "tier batches that failed (store unreachable or timed out)"),
     ("evictions", "spanserve_kv_tier_evictions", "blocks a tier dropped to stay within its size"),
 )

@@ -24,7 +24,8 @@ class TierStats:
     misses: int = 0  # blocks asked for and not found (bad payloads included)
     bytes_in: int = 0  # stored into the tier
     bytes_out: int = 0  # loaded from the tier
-    bad_payloads: int = 0  # failed checksum, shape, model or key checks: treated as misses
+    bad_payloads: int = 0  # truncated, failed checksum, shape, model or key checks: treated as misses
+    auth_failures: int = 0  # failed the MAC (forged, altered, another secret's or key's): misses too
     errors: int = 0  # batches that failed (store unreachable, timed out)
     evictions: int = 0  # blocks the tier dropped to stay within its size
     load_buckets: list[int] = field(default_factory=lambda: [0] * (len(LOAD_BUCKETS) + 1))

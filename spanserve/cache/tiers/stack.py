@@ -26,7 +26,7 @@ from spanserve.cache.tiers.config import OffloadConfig
 from spanserve.cache.tiers.disk import DiskTier
 from spanserve.cache.tiers.host import HostTier
 from spanserve.cache.tiers.loader import Chain, Loader, LoadJob, Want, load_nearest
-from spanserve.cache.tiers.payload import BlockKV, BlockShape
+from spanserve.cache.tiers.payload import BlockKV, BlockShape, PayloadCodec
 from spanserve.worker.storage import KVStorage
 
 log = logging.getLogger("spanserve.tiers")
@@ -47,12 +47,17 @@ class TierStack:
         self.storage = storage
         self.shape = shape
         self.host = HostTier(config.cpu_bytes, shape) if config.cpu_bytes else None
-        self.disk = DiskTier(config.disk_path, config.disk_bytes, shape, fingerprint) if config.disk_path else None
+        # payloads on disk and in the store carry a MAC under the secret, or a checksum without one
+        codec = PayloadCodec(shape, fingerprint, config.secret)
+        self.disk = DiskTier(config.disk_path, config.disk_bytes, codec) if config.disk_path else None
         self.store = None
         if config.store_url:
             from spanserve.cache.tiers.redis import RedisTier
 
-            self.store = RedisTier(config.store_url, shape, fingerprint, config.store_timeout_ms)
+            self.store = RedisTier(config.store_url, codec, config.store_timeout_ms, ttl_s=config.store_ttl_s)
+            if not codec.authenticated:
+                log.warning("KV store %s is used without a secret (store_insecure): any block written to "
+                            "it by anyone who can reach it is trusted", self.store.url)
         # lookup order: nearest first
         self.tiers: list[Tier] = [t for t in (self.host, self.disk, self.store) if t is not None]
         self._cuda = storage.k.device.type == "cuda"
