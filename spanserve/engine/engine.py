@@ -52,7 +52,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 # Attributes of an engine that hold device memory (weights, KV pool, graphs, masks): dropped at shutdown.
-_DEVICE_PARTS = ("executor", "model", "storage", "manager", "scheduler", "pool", "sampler", "grammars", "tp")
+_DEVICE_PARTS = ("executor", "model", "storage", "manager", "scheduler", "sampler", "grammars", "tp")
 
 
 class LLMEngine:
