@@ -17,11 +17,12 @@ from spanserve.cache.tiers import BlockShape, OffloadConfig, model_fingerprint
 from spanserve.cache.tiers.stack import TierStack
 from spanserve.engine.batch import prepare
 from spanserve.engine.detokenize import make_decoder
-from spanserve.engine.layout import Segment, checked_many, checked_tokens, resolve
+from spanserve.engine.layout import Segment
 from spanserve.engine.layout import sink_prefix as layout_sink_prefix
 from spanserve.engine.outputs import RequestOutput, output_of
 from spanserve.engine.overlap import Pending, chainable, continues, may_continue, next_is_chained
 from spanserve.engine.params import SamplingParams
+from spanserve.engine.prepare import Limits, Prepared, check_ids, check_prompt
 from spanserve.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from spanserve.engine.request import Request
 from spanserve.engine.runtime import make_backend
@@ -224,52 +225,41 @@ class LLMEngine:
 
     def check_ids(self, ids: "Sequence[int]") -> list[int]:
         """Token ids as a list of ints, each in the vocabulary (vectorized: layouts are long)."""
-        return list(checked_tokens(ids, self.config.vocab_size, pack=False)[0])
+        return check_ids(ids, self.config.vocab_size)
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.config.vocab_size, self.max_model_len, self.sink_prefix)
 
     def add_request(self, prompt: "str | list[int] | list[Segment]", params: SamplingParams | None = None,
                     request_id: str | None = None, namespace: str = "", policy: "str | Policy | None" = None,
-                    **extra: Any) -> Request:
+                    encode_only: bool = False) -> Request:
         """prompt: text, token ids, or a span layout (a list of Segments)."""
         if self.closed:
             raise RuntimeError("this engine was shut down; build a new one")
         params = params or SamplingParams()
-        self._check_params(params)
         pol = resolve_policy(policy, self.default_policy)
-        pieces = []
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], Segment):
-            pieces = resolve(prompt, self.encode, pol.name, require_tail=not extra.get("encode_only", False),
-                             check=functools.partial(checked_tokens, vocab_size=self.config.vocab_size),
-                             check_all=functools.partial(checked_many, vocab_size=self.config.vocab_size),
-                             sink=self.sink_prefix)
-            ids = list(itertools.chain.from_iterable(p.tokens for p in pieces))
-        else:
-            ids = self.encode(prompt)
-        if not ids:
-            raise ValueError("prompt is empty; send at least one token")
-        if pieces and params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs needs a plain prompt; a span layout's standalone segments are "
-                             "encoded on their own, so its positions have no single causal reading to score")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but the model's context here is {self.max_model_len}; "
-                             "shorten the prompt (or raise kv_cache_memory / max_model_len)")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in use")
+        ids, pieces = check_prompt(prompt, params, pol, self.limits, self.encode, encode_only)
         fmt = parse_response_format(params.response_format)
-        if fmt is not None:  # last check: a matcher exists only for a request that is queued
-            self.grammars.open(rid, fmt)
-        req = Request(rid, ids, params, namespace=namespace, generator=make_generator(params.seed, self.device),
-                      pieces=pieces, policy=pol, **extra)
-        self.requests[rid] = req
-        self.scheduler.add(req)
-        self.counters["prompt_tokens"] += len(ids)
-        return req
+        grammar = self.grammars.compile(fmt) if fmt is not None else None
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        return self.add_prepared(Prepared(rid, ids, pieces, params, namespace, pol, encode_only, grammar))
 
-    def _check_params(self, params: SamplingParams) -> None:
-        vocab = self.config.vocab_size
-        bad = [t for t in params.logit_bias or () if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias names token id {bad[0]}, outside this model's vocabulary of {vocab}")
+    def add_prepared(self, p: Prepared) -> Request:
+        """Queues a checked request (engine/prepare.py)."""
+        if p.request_id in self.requests:
+            raise ValueError(f"request id {p.request_id!r} is already in use")
+        if p.grammar is not None:  # last: a matcher exists only for a request that is queued
+            self.grammars.open(p.request_id, p.grammar)
+        req = Request(p.request_id, p.token_ids, p.params, namespace=p.namespace,
+                      generator=make_generator(p.params.seed, self.device), pieces=p.pieces,
+                      policy=resolve_policy(p.policy, self.default_policy), encode_only=p.encode_only)
+        if p.arrival_time is not None:
+            req.arrival_time = p.arrival_time
+        self.requests[p.request_id] = req
+        self.scheduler.add(req)
+        self.counters["prompt_tokens"] += len(p.token_ids)
+        return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)

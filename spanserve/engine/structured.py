@@ -110,6 +110,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._compiler: Any = None
+        self._info: Any = None  # xgrammar's TokenizerInfo, with the compiler
         self._matchers: dict[str, Any] = {}
         self._bitmask: torch.Tensor | None = None  # host buffer, grown to the largest batch seen
         self._eos_only = _row_allowing(self.eos_token_ids, vocab_size)
@@ -135,10 +136,15 @@ class Grammars:
             raise ResponseFormatError(f"response_format.json_schema.schema is not a usable JSON Schema: "
                                       f"{reason or type(e).__name__}") from e
 
-    def open(self, request_id: str, fmt: JsonFormat) -> None:
+    def open(self, request_id: str, compiled: Any) -> None:
+        """A matcher for the request: `compiled` is what `compile` gave, here or (as its
+        serialize_json text) in another process with the same tokenizer."""
         import xgrammar
 
-        self._matchers[request_id] = xgrammar.GrammarMatcher(self.compile(fmt))
+        if isinstance(compiled, str):
+            self._get_compiler()  # the tokenizer info the text refers to
+            compiled = xgrammar.CompiledGrammar.deserialize_json(compiled, self._info)
+        self._matchers[request_id] = xgrammar.GrammarMatcher(compiled)
 
     def close(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -188,9 +194,9 @@ class Grammars:
                 raise ResponseFormatError("response_format needs the model's tokenizer, and this model has none")
             import xgrammar
 
-            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                           stop_token_ids=self.eos_token_ids)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+            self._info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                                 stop_token_ids=self.eos_token_ids)
+            self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=1)
         return self._compiler
 
 
