@@ -12,6 +12,7 @@ import torch
 from spanserve.attention.backend import AttentionBackend
 from spanserve.attention.reference import ReferenceBackend
 from spanserve.cache.block_pool import BlockPool
+from spanserve.cache.claim import Piece
 from spanserve.cache.manager import CacheManager
 from spanserve.cache.tiers import BlockShape, OffloadConfig, model_fingerprint
 from spanserve.cache.tiers.stack import TierStack
@@ -249,6 +250,8 @@ class LLMEngine:
         """Queues a checked request (engine/prepare.py)."""
         if p.request_id in self.requests:
             raise ValueError(f"request id {p.request_id!r} is already in use")
+        if p.encode_only:
+            self._check_pin_budget(p.pieces)
         if p.grammar is not None:  # last: a matcher exists only for a request that is queued
             self.grammars.open(p.request_id, p.grammar)
         req = Request(p.request_id, p.token_ids, p.params, namespace=p.namespace,
@@ -424,15 +427,17 @@ class LLMEngine:
         segs = [s if isinstance(s, Segment) else Segment(text=s, kind="plus") for s in segments]
         if any(s.kind != "plus" for s in segs):
             raise ValueError("only plus (standalone) segments can be pinned")
-        need = sum(-(-len(self.encode(s.text) if s.text is not None else s.token_ids) // self.block_size) for s in segs)
+        return self.add_request(segs, SamplingParams(max_tokens=1), namespace=namespace, policy="none",
+                                encode_only=True)
+
+    def _check_pin_budget(self, pieces: list[Piece]) -> None:
+        need = sum(-(-len(p.tokens) // self.block_size) for p in pieces)
         held = sum(len(b) for b in self.pinned.values())
         limit = int(self.pin_fraction * self.pool.num_blocks)
         if held + need > limit:
             raise ValueError(f"pinning needs {need} blocks but only {limit - held} of the pin budget "
                              f"({self.pin_fraction:.0%} of {self.pool.num_blocks}) are left; unpin something "
                              "or raise pin_fraction")
-        return self.add_request(segs, SamplingParams(max_tokens=1), namespace=namespace, policy="none",
-                                encode_only=True)
 
     def _pin(self, req: Request) -> None:
         self.manager.publish(req.kv, tail=True)

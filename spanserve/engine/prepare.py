@@ -35,7 +35,7 @@ class Prepared:
     pieces: list[Piece]
     params: SamplingParams
     namespace: str = ""
-    policy: str = "none"
+    policy: Any = "none"  # a policy name (a Policy object, within one process)
     encode_only: bool = False
     grammar: Any = None
     arrival_time: float | None = field(default=None)
