@@ -53,8 +53,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import set_threads, write_json  # noqa: E402
-from quality_stats import findings, markdown, plot, summarize, table  # noqa: E402
-from tasks import FAMILIES, LAYOUTS, Case, is_correct, make_case  # noqa: E402
+from common.quality_stats import findings, markdown, plot, summarize, table  # noqa: E402
+from common.tasks import FAMILIES, LAYOUTS, Case, is_correct, make_case  # noqa: E402
 
 from spanserve.cache.storage import bytes_per_block  # noqa: E402
 from spanserve.engine.layout import Segment, sink_prefix  # noqa: E402

@@ -30,7 +30,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (in
 
 import torch  # noqa: E402
 
-from common import format_table, llama3_8b_config, median, random_tokens, write_json  # noqa: E402
+from common import format_table, llama3_8b_config, median, random_tokens, tiny_llama_config, write_json  # noqa: E402
 
 from spanserve.distributed import RandomWeights  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
@@ -42,11 +42,6 @@ from spanserve.model.config import ModelConfig  # noqa: E402
 def llama3_70b_config() -> ModelConfig:
     return dataclasses.replace(llama3_8b_config(), hidden_size=8192, intermediate_size=28672, num_layers=80,
                                num_heads=64, num_kv_heads=8, name="random-llama3-70b")
-
-
-def tiny_config() -> ModelConfig:
-    return dataclasses.replace(llama3_8b_config(), vocab_size=1024, hidden_size=128, intermediate_size=256,
-                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, name="tiny")
 
 
 class Run:
@@ -187,7 +182,7 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 def shape_8b(run: Run) -> None:
     args = run.args
-    cfg = tiny_config() if args.dry else llama3_8b_config()
+    cfg = tiny_llama_config() if args.dry else llama3_8b_config()
     blocks = (args.prefill + max(args.batches) * (args.context + args.decode_steps + 16)) // 16 + 512
     kw = dict(num_blocks=blocks, max_num_batched_tokens=args.prefill + 16, max_num_seqs=max(args.batches))
     variants = [VARIANTS["tp1"]] + [VARIANTS[x] for x in args.variants]
@@ -246,7 +241,7 @@ def shape_8b(run: Run) -> None:
 def shape_70b(run: Run) -> None:
     """Warm RAG TTFT next to the stock prefill of the same tokens, TP=2 only."""
     args = run.args
-    cfg = tiny_config() if args.dry else llama3_70b_config()
+    cfg = tiny_llama_config() if args.dry else llama3_70b_config()
     n, L, qlen = args.docs, args.doc_len, 64
     total = n * L + qlen
     blocks = 2 * (total // 16 + n + 8) + 64  # the pinned documents + one whole stock request

@@ -2,8 +2,8 @@
 accuracy versus the recompute ratio, for CacheBlend (at a given check layer) and SparseQ, on a few
 SmolLM2 cases; then, for one chat case, the reused tokens CacheBlend leaves stale at 95%.
 
-    .venv/bin/python benchmarks/quality_ratio.py                       # 6 cases, 4 x 128 tokens, CPU
-    .venv/bin/python benchmarks/quality_ratio.py --check-layer 1       # CacheBlend's former check layer
+    .venv/bin/python benchmarks/experiments/quality_ratio.py                       # 6 cases, 4 x 128 tokens, CPU
+    .venv/bin/python benchmarks/experiments/quality_ratio.py --check-layer 1       # CacheBlend's former check layer
 """
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 from common import format_table, set_threads, write_json  # noqa: E402
 from dense_reference import Dense, policy_logits  # noqa: E402
-from tasks import LAYOUTS, is_correct, make_case  # noqa: E402
+from common.tasks import LAYOUTS, is_correct, make_case  # noqa: E402
 
 from spanserve.engine.layout import resolve  # noqa: E402
 from spanserve.engine.sampling import SamplingParams  # noqa: E402

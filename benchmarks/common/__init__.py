@@ -1,7 +1,12 @@
-"""Helpers shared by the benchmark scripts: output paths, tables, JSON, plots, timing, seeded
-prompts, and a random-weight Llama-3-8B-shaped model for GPU runs."""
+"""Helpers shared by the benchmark scripts and the experiments: output paths, tables, JSON, plots,
+timing, seeded prompts, and random-weight Llama-3-8B-shaped models for GPU runs.
+
+Workloads of one figure live beside this module: tasks.py and quality_stats.py (quality.py),
+serving_load.py, serving_model.py and serving_offline.py (serving.py), traces.py (the Zipf
+simulations)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -118,6 +123,12 @@ def llama3_8b_config() -> ModelConfig:
         max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
         eos_token_ids=(128001, 128009), name="random-llama3-8b",
     )
+
+
+def tiny_llama_config() -> ModelConfig:
+    """Llama-3-8B's layout at toy size: what the scripts' --dry runs build on a CPU."""
+    return dataclasses.replace(llama3_8b_config(), vocab_size=1024, hidden_size=128, intermediate_size=256,
+                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, name="tiny")
 
 
 def weight_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:

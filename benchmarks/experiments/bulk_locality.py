@@ -1,7 +1,7 @@
 """Bulk execution order vs. KV-cache hit ratio: 64 RAG queries over a 32-document corpus.
 
-    .venv/bin/python benchmarks/bulk_locality.py --quick     # pool = 25% of the corpus, 2 seeds
-    .venv/bin/python benchmarks/bulk_locality.py             # pool fractions 1/8..1, 5 seeds
+    .venv/bin/python benchmarks/experiments/bulk_locality.py --quick     # pool = 25% of the corpus, 2 seeds
+    .venv/bin/python benchmarks/experiments/bulk_locality.py             # pool fractions 1/8..1, 5 seeds
 
 Corpus: ``topics`` x ``docs_per_topic`` random documents (8 x 4 = 32). Each query reads
 ``per_query`` (3) documents of one topic as a plus, in random order, after a shared system prompt
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 

@@ -1,7 +1,7 @@
 """Why selective recomputation loses to none: per-layer evidence on a few retrieval cases, SmolLM2.
 
-    .venv/bin/python benchmarks/quality_diagnose.py                 # 3 key-value cases, 4 x 256-token segments
-    .venv/bin/python benchmarks/quality_diagnose.py --cases 1 --ctx 512
+    .venv/bin/python benchmarks/experiments/quality_diagnose.py                 # 3 key-value cases, 4 x 256-token segments
+    .venv/bin/python benchmarks/experiments/quality_diagnose.py --cases 1 --ctx 512
 
 Every policy is traced by the plain dense computation of tests/dense_reference.py (float32 here),
 which mirrors the engine's policies layer by layer; the engine answers each case greedily to show
@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 from common import write_json  # noqa: E402
 from dense_reference import Dense, policy_logits  # noqa: E402
-from tasks import make_case  # noqa: E402
+from common.tasks import make_case  # noqa: E402
 
 from spanserve.engine.layout import resolve, sink_prefix  # noqa: E402
 from spanserve.engine.sampling import SamplingParams  # noqa: E402

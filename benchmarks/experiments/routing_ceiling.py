@@ -2,8 +2,8 @@
 held a fixed set of documents (no load bound, no eviction by misses, no cold start): an upper
 bound for routers over LRU pools, which every miss churns.
 
-    .venv/bin/python benchmarks/routing_ceiling.py            # 8 replicas, routing_sim.py's trace
-    .venv/bin/python benchmarks/routing_ceiling.py --steps 500 --replicas 2 4   # smoke run
+    .venv/bin/python benchmarks/experiments/routing_ceiling.py            # 8 replicas, routing_sim.py's trace
+    .venv/bin/python benchmarks/experiments/routing_ceiling.py --steps 500 --replicas 2 4   # smoke run
 
 Each request goes to the replica holding most of its documents. Sets tried: the `hot` most
 popular documents on every replica and the next ones dealt out one per replica in rank order
@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 
-from common import format_table, write_json
-from zipf_hits import zipf_trace
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
+from common import format_table, write_json  # noqa: E402
+from common.traces import zipf_trace  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -7,10 +7,10 @@ kernel on a copy of the logits), and the apply alone is timed for batches of row
 plain-torch apply. Every library sees the same whitespace rule
 (compact: "," and ":" separators, no free whitespace), the one spanserve serves with.
 
-    .venv/bin/python benchmarks/structured_mask.py                  # CPU, writes results/structured_mask.json
-    .venv/bin/python benchmarks/structured_mask.py --smoke          # quick end-to-end check
-    .venv/bin/python benchmarks/structured_mask.py --save-tokenizer DIR   # for machines without the GGUF
-    python3 benchmarks/structured_mask.py --device cuda --tokenizer DIR --out structured_mask_gpu.json
+    .venv/bin/python benchmarks/experiments/structured_mask.py                  # CPU, writes results/structured_mask.json
+    .venv/bin/python benchmarks/experiments/structured_mask.py --smoke          # quick end-to-end check
+    .venv/bin/python benchmarks/experiments/structured_mask.py --save-tokenizer DIR   # for machines without the GGUF
+    python3 benchmarks/experiments/structured_mask.py --device cuda --tokenizer DIR --out structured_mask_gpu.json
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 from common import format_table, write_json  # noqa: E402
 
 from spanserve.engine.structured import TokenMask, apply_bitmask  # noqa: E402

@@ -4,22 +4,24 @@ programs of at least 4, 2 or 1 tiles (`TritonBackend(decode_min_tiles=...)`). Ea
 against the float32 reference backend, then timed as a CUDA graph of 32 layers' calls, each layer
 over its own cache (as a model step runs them).
 
-    python benchmarks/decode_attention_gpu.py
+    python benchmarks/experiments/decode_attention_gpu.py
 """
 from __future__ import annotations
 
 import argparse
 import random
 import sys
+from pathlib import Path
 
 import torch
 
-from common import format_table, graph_us, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
+from common import format_table, graph_us, write_json  # noqa: E402
 
-from spanserve.attention.plan import AttentionPlan, Row
-from spanserve.attention.reference import ReferenceBackend
-from spanserve.attention.triton import TritonBackend
-from spanserve.rope import Rotary
+from spanserve.attention.plan import AttentionPlan, Row  # noqa: E402
+from spanserve.attention.reference import ReferenceBackend  # noqa: E402
+from spanserve.attention.triton import TritonBackend  # noqa: E402
+from spanserve.rope import Rotary  # noqa: E402
 
 G, D, BS, LAYERS = 4, 128, 16, 32
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -3,9 +3,9 @@
 penalties and a 10-token logit_bias, with histories of `--history` prompt + generated tokens.
 Llama-3's vocabulary size by default; timed on the chosen device, side by side in one run.
 
-    .venv/bin/python benchmarks/penalties.py                      # CPU, writes results/penalties.json
-    .venv/bin/python benchmarks/penalties.py --device cuda --out penalties_gpu.json
-    .venv/bin/python benchmarks/penalties.py --smoke              # tiny sizes, proves it runs
+    .venv/bin/python benchmarks/experiments/penalties.py                      # CPU, writes results/penalties.json
+    .venv/bin/python benchmarks/experiments/penalties.py --device cuda --out penalties_gpu.json
+    .venv/bin/python benchmarks/experiments/penalties.py --smoke              # tiny sizes, proves it runs
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 from common import format_table, set_threads, write_json  # noqa: E402
 
 from spanserve.engine.sampling import Sampler, SamplingParams  # noqa: E402

@@ -3,18 +3,20 @@ Triton matrix-vector kernel (spanserve/model/gemv.py) over a few tile shapes. Ch
 float64 reference, then times calls inside CUDA graphs that walk distinct weight copies (up to 32, about 2 GB) (as the
 layers of a model do: nothing stays in L2), per call and as GB/s of weight read.
 
-    python benchmarks/gemv_gpu.py
+    python benchmarks/experiments/gemv_gpu.py
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
-from common import format_table, graph_us, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
+from common import format_table, graph_us, write_json  # noqa: E402
 
-from spanserve.model.gemv import GemvConfig, gemv
+from spanserve.model.gemv import GemvConfig, gemv  # noqa: E402
 
 SHAPES = {  # name: (N, K) of W
     "qkv TP=1": (6144, 4096), "o TP=1": (4096, 4096), "gate_up TP=1": (28672, 4096), "down TP=1": (4096, 14336),

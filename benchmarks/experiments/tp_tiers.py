@@ -7,8 +7,8 @@ memory) and the load bandwidth (tier to pool); greedy tokens after a host-tier l
 same engine with the documents resident. TP=2 runs first and leaves its captured blocks in a disk
 tier that TP=1 then reads (one store, either TP size).
 
-    NCCL_NVLS_ENABLE=0 python benchmarks/tp_tiers.py    # two GPUs, random Llama-3-8B
-    python benchmarks/tp_tiers.py --dry                 # CPU, gloo, tiny shape: checks the script
+    NCCL_NVLS_ENABLE=0 python benchmarks/experiments/tp_tiers.py    # two GPUs, random Llama-3-8B
+    python benchmarks/experiments/tp_tiers.py --dry                 # CPU, gloo, tiny shape: checks the script
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (in
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 from common import format_table, llama3_8b_config, median, random_tokens, write_json  # noqa: E402
 
 from spanserve.cache.tiers.payload import BlockKV  # noqa: E402

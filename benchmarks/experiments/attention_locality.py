@@ -1,7 +1,7 @@
 """Attention locality (span-query paper, figure 17, scaled down to SmolLM2): one judge vs. a tree.
 
-    .venv/bin/python benchmarks/attention_locality.py --quick     # n in {4, 8}, 2 trials
-    .venv/bin/python benchmarks/attention_locality.py             # n in {4, 8, 16}, 5 trials
+    .venv/bin/python benchmarks/experiments/attention_locality.py --quick     # n in {4, 8}, 2 trials
+    .venv/bin/python benchmarks/experiments/attention_locality.py             # n in {4, 8, 16}, 5 trials
 
 Each trial hides n distinct names in n filler paragraphs. Inner generation i reads paragraph i
 (random filler sentences with "The secret name is <Name>." at a random place) and is asked for the
@@ -43,8 +43,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the shared helpers (common)
 
 import torch  # noqa: E402
 

@@ -15,8 +15,8 @@ own methods, on decode-only steps at the full batch:
     async      AsyncEngine wall per step minus its engine.step time (hand-off to the event loop,
                the consumers' wake-ups, GIL contention with them)
 
-    .venv/bin/python benchmarks/decode_step_host.py                 # CPU, writes results/decode_step_host.json
-    python benchmarks/decode_step_host.py --gpu                     # random Llama-3-8B bf16, batch 64
+    .venv/bin/python benchmarks/experiments/decode_step_host.py                 # CPU, writes results/decode_step_host.json
+    python benchmarks/experiments/decode_step_host.py --gpu                     # random Llama-3-8B bf16, batch 64
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from common import format_table, llama3_8b_config, random_model, set_threads, weight_shapes, write_json  # noqa: E402
 
 from spanserve.cache.storage import bytes_per_block  # noqa: E402

@@ -3,7 +3,7 @@ whole output every step (what the engine did before) against `IncrementalText` (
 the newest tokens). SmolLM2's tokenizer (from its GGUF), random ids of its vocabulary, one
 request; time per step at the end of an output of n tokens.
 
-    .venv/bin/python benchmarks/detokenize.py                 # writes results/detokenize.json
+    .venv/bin/python benchmarks/experiments/detokenize.py                 # writes results/detokenize.json
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 from common import format_table, write_json  # noqa: E402
 
 from spanserve.engine.detokenize import IncrementalText  # noqa: E402

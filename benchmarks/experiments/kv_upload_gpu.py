@@ -2,21 +2,24 @@
 Llama-3-8B-shaped model each, as the host tier keeps them) into the paged pool, each stage timed
 alone and the whole `KVStorage.write_blocks` path, against the link's one-copy ceiling.
 
-    python benchmarks/kv_upload_gpu.py            # CUDA: 2048 blocks (4 GiB)
-    python benchmarks/kv_upload_gpu.py --dry      # CPU: 64 blocks of a small shape, the script end to end
+    python benchmarks/experiments/kv_upload_gpu.py            # CUDA: 2048 blocks (4 GiB)
+    python benchmarks/experiments/kv_upload_gpu.py --dry      # CPU: 64 blocks of a small shape, the script end to end
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
-from common import format_table, llama3_8b_config, write_json
-from spanserve.cache import kv_upload
-from spanserve.cache.storage import KVStorage
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
+from common import format_table, llama3_8b_config, write_json  # noqa: E402
+from spanserve.cache import kv_upload  # noqa: E402
+from spanserve.cache.storage import KVStorage  # noqa: E402
 
 
 def timeit(fn: Callable[[], None], device: torch.device, reps: int = 3) -> float:

@@ -1,7 +1,7 @@
 """Causal self-attention of one fresh prefill row (Llama-3-8B heads: 32 query, 8 KV, dim 128, bf16):
 spanserve's Triton kernel over the paged cache versus torch SDPA's backends on dense q/k/v.
 
-    python3 benchmarks/prefill_attention.py [--tokens 16384]   # on a CUDA machine
+    python3 benchmarks/experiments/prefill_attention.py [--tokens 16384]   # on a CUDA machine
 
 A row whose keys are all written by the same step (no cached prefix, no deltas) can be attended
 straight from the step's dense K/V; this measures what each way costs. Prints a table; writes
@@ -16,7 +16,7 @@ import sys
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _pkg = types.ModuleType("spanserve")
 _pkg.__path__ = [str(ROOT / "spanserve")]
 sys.modules.setdefault("spanserve", _pkg)

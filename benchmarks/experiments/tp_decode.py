@@ -11,9 +11,9 @@ on its own (no chaining on the device: the phases below are what chaining hides)
    - kernels (--kernels): the floor loop under torch.profiler on rank 0, GPU time per step by
      kernel family, and the GPU's idle time per step (rank 0's first sum also waits for rank 1).
 
-    NCCL_NVLS_ENABLE=0 python benchmarks/tp_decode.py
-    NCCL_NVLS_ENABLE=0 python benchmarks/tp_decode.py --chained --kernels   # chained steps' GPU idle
-    python benchmarks/tp_decode.py --dry     # CPU, gloo, tiny shape: checks the script
+    NCCL_NVLS_ENABLE=0 python benchmarks/experiments/tp_decode.py
+    NCCL_NVLS_ENABLE=0 python benchmarks/experiments/tp_decode.py --chained --kernels   # chained steps' GPU idle
+    python benchmarks/experiments/tp_decode.py --dry     # CPU, gloo, tiny shape: checks the script
 """
 from __future__ import annotations
 
@@ -23,14 +23,15 @@ import os
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, Callable
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (inherited by workers)
 
 import torch  # noqa: E402
 
-from common import format_table, llama3_8b_config, median, random_tokens, write_json  # noqa: E402
-from tp_gpu import tiny_config  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
+from common import format_table, llama3_8b_config, median, random_tokens, tiny_llama_config, write_json  # noqa: E402
 
 from spanserve.distributed import RandomWeights  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
@@ -183,7 +184,7 @@ def chained_profile(eng: LLMEngine, args: argparse.Namespace, synced: list[float
 
 
 def decode_profile(args: argparse.Namespace, tp: int) -> dict[str, Any]:
-    cfg = tiny_config() if args.dry else llama3_8b_config()
+    cfg = tiny_llama_config() if args.dry else llama3_8b_config()
     dev = "cpu" if args.dry else "cuda"
     backend = None
     if not args.dry:

@@ -2,7 +2,7 @@
 fused residual add and RMSNorm, on two GPUs: bitwise equality on random rows, then time per call
 inside CUDA graphs of 64 calls (a decode step's count for an 8B model).
 
-    NCCL_NVLS_ENABLE=0 python benchmarks/peer_sum_gpu.py
+    NCCL_NVLS_ENABLE=0 python benchmarks/experiments/peer_sum_gpu.py
 """
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 from common import format_table, write_json  # noqa: E402
 
 from spanserve.distributed.group import TPGroup, free_port  # noqa: E402
