@@ -23,7 +23,7 @@ import torch
 from spanserve.model.config import ModelConfig
 from spanserve.model.loader import LoadedModel, expected_shapes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 DOCS_DIR = ROOT / "docs"
 

@@ -7,7 +7,7 @@ over the model's whole vocabulary: token i is the word `w<i>` (a few ids are rol
 tokens), so every id the random model samples decodes to text, streamed deltas are never empty,
 and a prompt of n words is n tokens.
 
-    python benchmarks/serving_model.py DIR [--dry]   # prints one JSON line (sizes, bandwidth)
+    python benchmarks/serving.py write-model DIR [--dry]   # prints one JSON line (sizes, bandwidth)
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from common import llama3_8b_config  # benchmarks/ is on sys.path (run as a script, or from serving.py)
+from common import llama3_8b_config
 from spanserve.model.config import ModelConfig
 from spanserve.model.loader import expected_shapes
 
@@ -155,13 +155,9 @@ def prepare(path: Path, dry: bool) -> Prepared:
     return Prepared(str(path), config.vocab_size, weight_bytes, kv, copy_bandwidth(device), time.perf_counter() - t0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="serving.py write-model", description=__doc__.split("\n\n")[0])
     ap.add_argument("path", type=Path)
     ap.add_argument("--dry", action="store_true", help="tiny float32 model on the CPU")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     print(json.dumps(asdict(prepare(args.path, args.dry))), flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -3,7 +3,7 @@ engine configuration (the same defaults), all requests at once, after a warm-up 
 requests. Run by benchmarks/serving.py in its own process once the server has exited, so each
 has the GPU to itself.
 
-    python benchmarks/serving_offline.py MODEL_DIR --requests R.json [--warmup W.json] [--max-num-seqs 64]
+    python benchmarks/serving.py offline MODEL_DIR --requests R.json [--warmup W.json] [--max-num-seqs 64]
 
 Prints one JSON line: output tokens, wall seconds, rates, decode-step totals by batch size.
 """
@@ -43,14 +43,14 @@ def run(llm: LLM, reqs: list[dict[str, Any]]) -> tuple[int, float]:
     return sum(len(o.token_ids) for o in outs), time.perf_counter() - t0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="serving.py offline")
     ap.add_argument("model", type=Path)
     ap.add_argument("--requests", type=Path, required=True)
     ap.add_argument("--warmup", type=Path, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--kv-cache-memory", type=parse_size, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     t0 = time.perf_counter()
     llm = LLM(str(args.model), max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory)
     load_s = time.perf_counter() - t0
@@ -72,7 +72,3 @@ def main() -> None:
                       "requests_per_s": len(reqs) / wall, "decode": decode,
                       "engine": {"max_num_seqs": args.max_num_seqs, "num_blocks": llm.engine.pool.num_blocks,
                                  "runtime": asdict(llm.runtime)}}), flush=True)
-
-
-if __name__ == "__main__":
-    main()
