@@ -167,7 +167,7 @@ def plot(summary: list[dict[str, Any]], path: Path, title: str, fan_in: int) -> 
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--ns", default="4,8,16", help="comma-separated numbers of inner generations")
@@ -185,6 +185,51 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.ns, args.trials = "4,8", 2
+    if max(int(x) for x in args.ns.split(",")) > len(NAMES):
+        ap.error(f"n is at most {len(NAMES)} (the name pool)")
+    return args
+
+
+def trial_rows(llm: LLM, n: int, trial: int, policies: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One trial at n: plain and tree under every policy (the order flips every other trial)."""
+    names, q = build(n, trial, args.seed, args.sentences, args.inner_tokens, 4 * n + 8)
+    same = optimize(q, fan_in=args.fan_in) == optimize(q)
+    variants = [(pol, v) for pol in policies for v in ("plain", "tree")]
+    if trial % 2:
+        variants.reverse()
+    res: dict[str, dict[str, Any]] = {pol: {} for pol in policies}
+    for pol, variant in variants:
+        other = "tree" if variant == "plain" else "plain"
+        if same and other in res[pol]:  # n <= fan_in: the optimizer leaves the query alone
+            res[pol][variant] = dict(res[pol][other], same_as_plain=True)
+            continue
+        r = run(llm, q, names, args.fan_in if variant == "tree" else None, args.inner_tokens, pol)
+        res[pol][variant] = r
+        log(f"n={n} trial={trial} {pol}/{variant}: {r['accuracy']:.2f} ({len(r['found'])}/{n}, extra "
+            f"{len(r['extra'])}, inner {r['inner_accuracy']:.2f}, {r['judge_calls']} judge calls, "
+            f"{r['wall_s']:.0f}s) answer={r['answer']!r}")
+    return [{"n": n, "trial": trial, "policy": pol, "names": names, "same_query": same, **res[pol]} for pol in policies]
+
+
+def summarize(rows: list[dict[str, Any]], pol: str, n: int) -> dict[str, Any]:
+    rs = [r for r in rows if r["n"] == n and r["policy"] == pol]
+    s: dict[str, Any] = {"policy": pol, "n": n, "trials": len(rs), "same_query": rs[0]["same_query"],
+                         "final_prompt_tokens": rs[0]["plain"]["final_prompt_tokens"]}
+    for key in ("plain", "tree"):
+        acc = [r[key]["accuracy"] for r in rs]
+        s.update({f"{key}_mean": statistics.mean(acc), f"{key}_median": statistics.median(acc),
+                  f"{key}_min": min(acc), f"{key}_max": max(acc),
+                  f"{key}_extra_mean": statistics.mean(len(r[key]["extra"]) for r in rs),
+                  f"{key}_judge_calls": rs[0][key]["judge_calls"]})
+    groups = [r["tree"]["group_accuracy"] for r in rs if r["tree"]["group_accuracy"] is not None]
+    s["tree_group_mean"] = statistics.mean(groups) if groups else None
+    inner = [r["plain"]["inner_accuracy"] for r in rs]
+    s.update({"inner_mean": statistics.mean(inner), "inner_min": min(inner), "inner_max": max(inner)})
+    return s
+
+
+def main() -> None:
+    args = parse_args()
     suffix = "_quick" if args.quick else ""
     json_path = Path(args.json or ROOT / "benchmarks" / "results" / f"attention_locality{suffix}.json")
     png_path = Path(args.plot or ROOT / "docs" / f"attention_locality{suffix}.png")
@@ -195,53 +240,12 @@ def main() -> None:
         return
     ns = [int(x) for x in args.ns.split(",")]
     policies = args.policies.split(",")
-    if max(ns) > len(NAMES):
-        ap.error(f"n is at most {len(NAMES)} (the name pool)")
     torch.set_num_threads(args.threads)
     t0 = time.monotonic()
     llm = LLM(args.model)
     llm.generate("Warm up.", SamplingParams(max_tokens=2))
-    rows = []
-    for n in ns:
-        judge_tokens = 4 * n + 8
-        for trial in range(args.trials):
-            names, q = build(n, trial, args.seed, args.sentences, args.inner_tokens, judge_tokens)
-            same = optimize(q, fan_in=args.fan_in) == optimize(q)
-            variants = [(pol, v) for pol in policies for v in ("plain", "tree")]
-            if trial % 2:
-                variants.reverse()
-            res: dict[str, dict[str, Any]] = {pol: {} for pol in policies}
-            for pol, variant in variants:
-                other = "tree" if variant == "plain" else "plain"
-                if same and other in res[pol]:  # n <= fan_in: the optimizer leaves the query alone
-                    res[pol][variant] = dict(res[pol][other], same_as_plain=True)
-                    continue
-                r = run(llm, q, names, args.fan_in if variant == "tree" else None, args.inner_tokens, pol)
-                res[pol][variant] = r
-                log(f"n={n} trial={trial} {pol}/{variant}: {r['accuracy']:.2f} ({len(r['found'])}/{n}, extra "
-                    f"{len(r['extra'])}, inner {r['inner_accuracy']:.2f}, {r['judge_calls']} judge calls, "
-                    f"{r['wall_s']:.0f}s) answer={r['answer']!r}")
-            for pol in policies:
-                rows.append({"n": n, "trial": trial, "policy": pol, "names": names, "same_query": same, **res[pol]})
-
-    summary = []
-    for pol in policies:
-        for n in ns:
-            rs = [r for r in rows if r["n"] == n and r["policy"] == pol]
-            s: dict[str, Any] = {"policy": pol, "n": n, "trials": len(rs), "same_query": rs[0]["same_query"],
-                                 "final_prompt_tokens": rs[0]["plain"]["final_prompt_tokens"]}
-            for key in ("plain", "tree"):
-                acc = [r[key]["accuracy"] for r in rs]
-                s.update({f"{key}_mean": statistics.mean(acc), f"{key}_median": statistics.median(acc),
-                          f"{key}_min": min(acc), f"{key}_max": max(acc),
-                          f"{key}_extra_mean": statistics.mean(len(r[key]["extra"]) for r in rs),
-                          f"{key}_judge_calls": rs[0][key]["judge_calls"]})
-            groups = [r["tree"]["group_accuracy"] for r in rs if r["tree"]["group_accuracy"] is not None]
-            s["tree_group_mean"] = statistics.mean(groups) if groups else None
-            inner = [r["plain"]["inner_accuracy"] for r in rs]
-            s.update({"inner_mean": statistics.mean(inner), "inner_min": min(inner), "inner_max": max(inner)})
-            summary.append(s)
-
+    rows = [row for n in ns for trial in range(args.trials) for row in trial_rows(llm, n, trial, policies, args)]
+    summary = [summarize(rows, pol, n) for pol in policies for n in ns]
     report(summary, args)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps({"benchmark": "attention_locality", "model": args.model, "args": vars(args),

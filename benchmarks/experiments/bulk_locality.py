@@ -194,6 +194,17 @@ def main() -> None:
                     rows.append({"seed": seed, **r})
     print(f"\nBulk execution: {args.queries} queries, {args.topics}x{args.docs_per_topic} docs, "
           f"{args.per_query} docs/query, block_size {args.block_size}, model {args.model or 'tiny llama'}")
+    summary = report(rows)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"benchmark": "bulk_locality", "args": vars(args), "summary": summary,
+                                     "runs": rows, "wall_s": time.monotonic() - t0}, indent=1))
+    plot(rows, png_path, f"{args.queries} RAG queries over {args.topics * args.docs_per_topic} docs: "
+                         "hit ratio by execution order")
+    print(f"\nwrote {json_path} and {png_path}")
+
+
+def report(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Prints the medians per pool size and the per-seed ratios; returns the summary rows."""
     hdr = (f"{'pool frac':>9} {'pool blk':>8} {'corpus blk':>10} {'seeds':>5} {'locality hit':>12} "
            f"{'submission hit':>14} {'ratio':>6} {'loc>sub':>7}")
     print(hdr)
@@ -214,12 +225,7 @@ def main() -> None:
     print("\nper seed (pool fraction, seed: locality / submission hit ratio)")
     for a, b in zip(rows[::2], rows[1::2]):
         print(f"  {a['pool_fraction']:g}, seed {a['seed']}: {a['hit_ratio']:.3f} / {b['hit_ratio']:.3f}")
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"benchmark": "bulk_locality", "args": vars(args), "summary": summary,
-                                     "runs": rows, "wall_s": time.monotonic() - t0}, indent=1))
-    plot(rows, png_path, f"{args.queries} RAG queries over {args.topics * args.docs_per_topic} docs: "
-                         "hit ratio by execution order")
-    print(f"\nwrote {json_path} and {png_path}")
+    return summary
 
 
 if __name__ == "__main__":

@@ -185,6 +185,14 @@ def run_async(eng: LLMEngine, mode: str, args: argparse.Namespace) -> dict[str, 
     return summ
 
 
+def per_call_ms(fn: Callable[[], Any], reps: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return 1e3 * (time.perf_counter() - t0) / reps
+
+
 def side_by_side(eng: LLMEngine, args: argparse.Namespace, reps: int = 30) -> list[dict[str, Any]]:
     """The replaced host functions against their replacements, per batch-`batch` step, in this run:
     the final unit's token copy, the uniform draws of unseeded sampled rows, detokenization."""
@@ -193,11 +201,7 @@ def side_by_side(eng: LLMEngine, args: argparse.Namespace, reps: int = 30) -> li
     from spanserve.engine.sampling import _uniforms
 
     def per_step(fn: Callable[[], Any]) -> float:
-        fn()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return 1e3 * (time.perf_counter() - t0) / reps
+        return per_call_ms(fn, reps)
 
     ctx, b, dev = args.context, args.batch, eng.device
     rows = [list(range(ctx)) for _ in range(b)]

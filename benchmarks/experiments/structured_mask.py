@@ -277,7 +277,7 @@ def appliers() -> dict[str, Callable[..., None]]:
     return {"xgrammar kernel (engine)": xgrammar.apply_token_bitmask_inplace, "plain torch": apply_bitmask}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--libs", nargs="+", default=list(LIBRARIES), choices=list(LIBRARIES))
@@ -286,14 +286,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="passes over each instance")
     ap.add_argument("--smoke", action="store_true", help="one schema, one pass")
     ap.add_argument("--out", default="structured_mask.json")
-    args = ap.parse_args()
-    torch.set_num_threads(1)  # the mask work is single-threaded per request; keep torch's apply alike
-    tok = load_tokenizer(args.tokenizer)
-    if args.save_tokenizer:
-        tok.save_pretrained(args.save_tokenizer)
-        print(f"saved the tokenizer to {args.save_tokenizer}")
-        return
-    device = torch.device(args.device)
+    return ap.parse_args()
+
+
+def run_libraries(args: argparse.Namespace, tok: Any, device: torch.device) -> tuple[list[dict[str, Any]], dict]:
+    """Per library and schema: compile, then mask + advance per token of a valid instance; prints
+    the table. Returns the per-schema results and each library's tokenizer setup seconds."""
     vocab, eos = len(tok), int(tok.eos_token_id)
     schemas = dict(list(SCHEMAS.items())[:1]) if args.smoke else SCHEMAS
     repeats = 1 if args.smoke else args.repeats
@@ -317,8 +315,12 @@ def main() -> None:
     print(f"SmolLM2 tokenizer, vocab {vocab}; device {device}; {repeats} pass(es) per instance")
     print(format_table(["library", "schema", "compile ms", "tokens", "mask us", "advance us", "per-token p50 us",
                         "mean us", "p99 us", "copy+apply us", "valid ok"], rows))
+    return results, setup_s
+
+
+def summarize(libs: list[str], results: list[dict[str, Any]], setup_s: dict[str, float]) -> list[dict[str, Any]]:
     summary = []
-    for name in args.libs:
+    for name in libs:
         mine = [r for r in results if r["library"] == name]
         samples = [x for r in mine for x in r.pop("per_token_samples_us")]
         summary.append({"library": name, "tokenizer_setup_s": setup_s[name],
@@ -330,18 +332,37 @@ def main() -> None:
                         "per-token us (mean)", "per-token p99 us (worst)"],
                        [(s["library"], s["tokenizer_setup_s"], s["compile_ms_mean"], s["per_token_us_p50"],
                          s["per_token_us_mean"], s["per_token_us_p99_max"]) for s in summary]))
+    return summary
+
+
+def apply_table(device: torch.device, vocab: int, smoke: bool) -> list[dict[str, Any]]:
+    """Applying a bitmask to a batch of logits rows, each way, at SmolLM2's and Llama 3's vocabularies."""
     apply_rows = []
     for v in (vocab, 128256):
         for b in (1, 8, 64):
             row: dict[str, Any] = {"vocab": v, "batch": b}
             for label, fn in appliers().items():
-                row[label] = time_apply(device, v, b, 20 if args.smoke else 200, fn)
+                row[label] = time_apply(device, v, b, 20 if smoke else 200, fn)
             apply_rows.append(row)
     labels = list(appliers())
     print(format_table(["vocab", "batch"] + [f"{x} on {device} us" for x in labels],
                        [(r["vocab"], r["batch"], *(r[x] for x in labels)) for r in apply_rows]))
-    payload = {"benchmark": "structured_mask", "args": vars(args), "vocab": vocab, "summary": summary,
-               "results": results, "apply": apply_rows}
+    return apply_rows
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)  # the mask work is single-threaded per request; keep torch's apply alike
+    tok = load_tokenizer(args.tokenizer)
+    if args.save_tokenizer:
+        tok.save_pretrained(args.save_tokenizer)
+        print(f"saved the tokenizer to {args.save_tokenizer}")
+        return
+    device = torch.device(args.device)
+    results, setup_s = run_libraries(args, tok, device)
+    summary = summarize(args.libs, results, setup_s)
+    payload = {"benchmark": "structured_mask", "args": vars(args), "vocab": len(tok), "summary": summary,
+               "results": results, "apply": apply_table(device, len(tok), args.smoke)}
     print(f"wrote {write_json(args.out, payload)}")
 
 
