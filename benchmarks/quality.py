@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct on CPU.
     .venv/bin/python benchmarks/quality.py --quick      # 2 cases per family, 4 x 128-token segments
     .venv/bin/python benchmarks/quality.py --cases 40 --ctx 2048   # more and longer (4 x 512)
 
-Five task families (benchmarks/tasks.py: single needle, multi-key needle, key-value retrieval,
+Five task families (benchmarks/common/tasks.py: single needle, multi-key needle, key-value retrieval,
 variable tracking, frequent words), each generated from --seed, nothing downloaded; the cases of a
 family alternate between a RAG layout (instruction | document chunks as plus segments | question)
 and a multi-turn chat layout (system + first exchange | history turns as plus segments | question

@@ -1,8 +1,8 @@
 """Split a file into equal parts and join them back, checking a SHA-256: for moving a file larger
 than one transfer allows (e.g. the SmolLM2 GGUF, 94 MiB) to a machine in several transfers.
 
-    python benchmarks/split_file.py split FILE DIR [--parts 2]   # DIR/NAME.part0 ... + DIR/NAME.sha256
-    python benchmarks/split_file.py join OUT PART0 PART1 ... [--sha256 HEX | --sha256-file F]
+    python tools/split_file.py split FILE DIR [--parts 2]   # DIR/NAME.part0 ... + DIR/NAME.sha256
+    python tools/split_file.py join OUT PART0 PART1 ... [--sha256 HEX | --sha256-file F]
 
 The same with coreutils: `split -n 2 -d FILE NAME.part` and `cat NAME.part0* > FILE`.
 """
