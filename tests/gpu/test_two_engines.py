@@ -13,6 +13,7 @@ from spanserve.distributed import RandomWeights
 
 def build_use_and_shut_down() -> int:
     """Blocks in the KV pool of a fresh engine with default sizing, after a short generation."""
+    release()  # what earlier tests in this process left cached is not the first engine's to lose
     llm = LLM(RandomWeights(LLAMA3_8B, seed=0))
     prompt = torch.randint(3, 128000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     out = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
