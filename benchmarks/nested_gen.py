@@ -1,7 +1,10 @@
-"""Judge/generator TTFT (span-query paper §5.7) on SmolLM2: span query vs. one flattened stock prompt.
+"""Judge/generator TTFT (span-query paper §5.7): span query vs. one flattened stock prompt, on SmolLM2
+(CPU) or on random Llama-3-8B-shaped bf16 weights (--gpu).
 
     .venv/bin/python benchmarks/nested_gen.py --quick       # F in {1, 4}, inner max_tokens 32
     .venv/bin/python benchmarks/nested_gen.py               # F in {1, 4, 8, 24}, inner max_tokens 128
+    python benchmarks/nested_gen.py --gpu --fanouts 24 --max-tokens 512 --repeats 5   # one H100
+    python benchmarks/nested_gen.py --gpu --dry             # the GPU path on a CPU, tiny shapes
 
 Query, for fan-out F and inner temperature T:
 
@@ -28,12 +31,18 @@ judge before would). Span and stock alternate which goes first. Medians over rep
 median stock TTFT / median span TTFT. Torch runs one thread by default: on the shared 2-core
 machine two threads spin-wait whenever other processes hold a core, and were 2-3x slower.
 
+--gpu: the 8B shape (outputs are meaningless; the work is real), inner temperature 0.5. Each
+repeat generates F new inner conversations and runs the judge (repeat 0 is a discarded warm-up);
+stock is the judge's own prompt tokens sent as one plain prompt in a namespace of its own, so
+prefix caching reuses nothing of it.
+
 With T = 0 all F inner generations are greedy and produce the same text (expected): the judge then
 reads F identical conversations, which the cache stores once.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
@@ -44,6 +53,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
@@ -52,6 +62,9 @@ from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.query import cross, g, plus, repeat, system, user  # noqa: E402
 from spanserve.query.execute import EngineRunner, Executor  # noqa: E402
 from spanserve.query.plan import Done  # noqa: E402
+
+from common import (RESULTS_DIR, format_table, llama3_8b_config, median, random_model,  # noqa: E402
+                    tiny_llama_config, write_json)
 
 TASK = ("Write a short story of about 150 words about a hiker who finds a mysterious reusable water "
         "bottle on a mountain trail.")
@@ -179,28 +192,47 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
               f"{r['distinct_inner_texts']:>8}")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gpu", action="store_true", help="CUDA, random Llama-3-8B-shaped bf16 weights")
+    ap.add_argument("--dry", action="store_true", help="with --gpu: tiny shapes on the CPU (checks the script)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--fanouts", default="1,4,8,24", help="comma-separated fan-outs F")
-    ap.add_argument("--temperatures", default="0,0.5", help="comma-separated inner temperatures T")
+    ap.add_argument("--temperatures", "--temperature", default=None,
+                    help="comma-separated inner temperatures T (default 0,0.5; 0.5 with --gpu)")
     ap.add_argument("--max-tokens", type=int, default=128, help="inner generations' max_tokens")
     ap.add_argument("--task", default=TASK, help="the inner generations' user message")
     ap.add_argument("--judge-tokens", type=int, default=4, help="judge max_tokens (only its TTFT is timed)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--num-blocks", type=int, default=2048, help="KV pool blocks (16 tokens each)")
+    ap.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks of 16 tokens (2048; 12000 with --gpu)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1 avoids spin-waiting when the shared cores are oversubscribed)")
     ap.add_argument("--quick", action="store_true", help="F in {1, 4}, inner max_tokens 32")
-    ap.add_argument("--json", default=None, help="default benchmarks/results/nested_gen[_quick].json")
+    ap.add_argument("--out", "--json", dest="out", default=None,
+                    help="JSON: a name under benchmarks/results/ or a path (default nested_gen[_quick|_gpu].json)")
     ap.add_argument("--plot", default=None, help="default docs/nested_gen[_quick].png")
     ap.add_argument("--from-json", default=None, help="print the table and plot from a results file; run nothing")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.fanouts, args.max_tokens = "1,4", 32
+    args.temperatures = args.temperatures or ("0.5" if args.gpu else "0,0.5")
+    args.num_blocks = args.num_blocks or (12000 if args.gpu and not args.dry else 4000 if args.gpu else 2048)
+    return args
+
+
+def json_path(args: argparse.Namespace, default: str) -> Path:
+    p = Path(args.out or default)
+    return RESULTS_DIR / p if p.parent == Path(".") else p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.gpu:
+        run_gpu(args)
+        return
     suffix = "_quick" if args.quick else ""
-    json_path = Path(args.json or ROOT / "benchmarks" / "results" / f"nested_gen{suffix}.json")
+    out_path = json_path(args, f"nested_gen{suffix}.json")
     png_path = Path(args.plot or ROOT / "docs" / f"nested_gen{suffix}.png")
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
@@ -208,9 +240,21 @@ def main() -> None:
         plot(saved["results"], png_path, f"Judge TTFT speedup, {saved['model']} CPU, "
                                          f"inner max_tokens={saved['args']['max_tokens']}")
         return
-    fanouts = [int(x) for x in args.fanouts.split(",")]
-    temps = [float(x) for x in args.temperatures.split(",")]
+    t0 = time.monotonic()
+    results = run_cpu(args)
+    report(results, args)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({
+        "benchmark": "nested_gen", "model": args.model, "device": "cpu", "dtype": "float32",
+        "args": vars(args), "task": args.task, "judge_system": JUDGE, "round_message": ROUND, "question": QUESTION,
+        "results": results, "wall_s": time.monotonic() - t0,
+    }, indent=1))
+    plot(results, png_path, f"Judge TTFT speedup, {args.model} CPU, inner max_tokens={args.max_tokens}")
+    print(f"\nwrote {out_path.relative_to(ROOT) if out_path.is_relative_to(ROOT) else out_path} "
+          f"and {png_path.relative_to(ROOT) if png_path.is_relative_to(ROOT) else png_path}")
 
+
+def run_cpu(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     t0 = time.monotonic()
     llm = LLM(args.model, num_blocks=args.num_blocks)
@@ -220,29 +264,71 @@ def main() -> None:
         [{"role": "system", "content": JUDGE}, {"role": "user", "content": "Warm up."}], tokenize=False,
         add_generation_prompt=True)), SamplingParams(max_tokens=2))
     log(f"loaded {args.model} in {time.monotonic() - t0:.1f}s")
-    results = []
     rounds = itertools.count()
-    for t in temps:
-        for f in fanouts:
-            results.append(measure(llm, f, t, args, rounds))
+    return [measure(llm, int(f), float(t), args, rounds)
+            for t in args.temperatures.split(",") for f in args.fanouts.split(",")]
 
-    report(results, args)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({
-        "benchmark": "nested_gen", "model": args.model, "device": "cpu", "dtype": "float32",
-        "args": vars(args), "task": args.task, "judge_system": JUDGE, "round_message": ROUND, "question": QUESTION,
-        "results": results, "wall_s": time.monotonic() - t0,
-    }, indent=1))
-    plot(results, png_path, f"Judge TTFT speedup, {args.model} CPU, inner max_tokens={args.max_tokens}")
-    print(f"\nwrote {json_path.relative_to(ROOT) if json_path.is_relative_to(ROOT) else json_path} "
-          f"and {png_path.relative_to(ROOT) if png_path.is_relative_to(ROOT) else png_path}")
+
+# ---- --gpu: random Llama-3-8B-shaped weights ----------------------------------------------------
+GPU_TASK = "the cat sat on the mat and the dog ran on the mat " * 3
+
+
+def gpu_llm(args: argparse.Namespace) -> LLM:
+    from tiny_models import make_tiny_tokenizer
+
+    dev, dtype = ("cpu", torch.float32) if args.dry else ("cuda", torch.bfloat16)
+    cfg = tiny_llama_config() if args.dry else llama3_8b_config()
+    model = dataclasses.replace(random_model(cfg, dev, dtype), tokenizer=make_tiny_tokenizer())
+    backend = None
+    if not args.dry:
+        from spanserve.attention.triton import TritonBackend
+        backend = TritonBackend()
+    return LLM(model, device=dev, dtype=str(dtype).removeprefix("torch."), num_blocks=args.num_blocks,
+               max_num_batched_tokens=16384, backend=backend)
+
+
+def stock_run(llm: LLM, prompt: list[int]) -> Any:
+    """The judge's prompt tokens as one plain prompt, in a namespace no span request uses."""
+    flat = llm.engine.add_request(list(prompt), SamplingParams(max_tokens=2, ignore_eos=True), namespace="stock")
+    stock = None
+    while llm.engine.has_unfinished():
+        for o in llm.engine.step():
+            if o.finished and o.request_id == flat.request_id:
+                stock = o
+    return stock
+
+
+def measure_gpu(llm: LLM, fanout: int, temperature: float, args: argparse.Namespace) -> dict[str, Any]:
+    span_t, stock_t = [], []
+    for r in range(args.repeats + 1):
+        inner = g(user(f"{r} {GPU_TASK}"), temperature=temperature, max_tokens=args.max_tokens)
+        q = g(cross(system("the judge"), plus(repeat(fanout, inner)), user("the best is ?")), max_tokens=2)
+        judge = Executor(EngineRunner(llm.engine), llm.tokenizer, seed=r).execute(q).outputs[()]
+        stock = stock_run(llm, judge.prompt_token_ids)
+        if r:  # repeat 0 warms up
+            span_t.append(judge.metrics["ttft"])
+            stock_t.append(stock.metrics["ttft"])
+    s, k = median(span_t), median(stock_t)
+    return {"fanout": fanout, "temperature": temperature, "prompt_tokens": len(judge.prompt_token_ids),
+            "stock_s": k, "span_s": s, "speedup": k / s, "judge_reuse": judge.metrics["reuse"],
+            "stock_reuse": stock.metrics["reuse"]}
+
+
+def run_gpu(args: argparse.Namespace) -> None:
+    llm = gpu_llm(args)
+    rows, results = [], []
+    for t in (float(x) for x in args.temperatures.split(",")):
+        for f in (int(x) for x in args.fanouts.split(",")):
+            res = measure_gpu(llm, f, t, args)
+            results.append(res)
+            rows.append((f, t, res["prompt_tokens"], res["judge_reuse"]["segment"], f"{res['stock_s'] * 1e3:.1f}",
+                         f"{res['span_s'] * 1e3:.1f}", f"{res['speedup']:.1f}x"))
+            print(rows[-1], flush=True)
+    print(format_table(["fan-out", "T", "judge prompt", "segment hits", "stock ms", "span ms", "speedup"], rows))
+    path = write_json(str(json_path(args, "nested_gen_gpu_dry.json" if args.dry else "nested_gen_gpu.json")),
+                      {"args": vars(args), "results": results})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
-    if "--gpu" in sys.argv:  # the H100 variant (random Llama-3-8B bf16) lives in its own script
-        import nested_gen_gpu
-
-        sys.argv = [a for a in sys.argv if a != "--gpu"]
-        nested_gen_gpu.main()
-        raise SystemExit
     main()

@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct on CPU.
     .venv/bin/python benchmarks/quality.py --quick      # 2 cases per family, 4 x 128-token segments
     .venv/bin/python benchmarks/quality.py --cases 40 --ctx 2048   # more and longer (4 x 512)
 
-Five task families (benchmarks/tasks.py: single needle, multi-key needle, key-value retrieval,
+Five task families (benchmarks/common/tasks.py: single needle, multi-key needle, key-value retrieval,
 variable tracking, frequent words), each generated from --seed, nothing downloaded; the cases of a
 family alternate between a RAG layout (instruction | document chunks as plus segments | question)
 and a multi-turn chat layout (system + first exchange | history turns as plus segments | question
@@ -53,8 +53,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import set_threads, write_json  # noqa: E402
-from quality_stats import findings, markdown, plot, summarize, table  # noqa: E402
-from tasks import FAMILIES, LAYOUTS, Case, is_correct, make_case  # noqa: E402
+from common.quality_stats import findings, markdown, plot, summarize, table  # noqa: E402
+from common.tasks import FAMILIES, LAYOUTS, Case, is_correct, make_case  # noqa: E402
 
 from spanserve.engine.layout import Segment, sink_prefix  # noqa: E402
 from spanserve.engine.params import SamplingParams  # noqa: E402
@@ -161,11 +161,9 @@ def agreement(a: list[int], b: list[int], n: int) -> float:
     return 1.0 if m == 0 else sum(1 for x, y in zip(a, b) if x == y) / m
 
 
-def run_group(llm: LLM, group: list[Case], tag: str, vs: list[Variant], args: argparse.Namespace,
-              records: list[dict[str, Any]], stats: dict[str, Any]) -> None:
-    keys = [[f"{tag}/{i}/{j}" for j in range(len(c.chunks))] for i, c in enumerate(group)]
-    # Pinning encodes the segments; one pin request counts all its segments against the model's
-    # context length (8192 positions) although each is encoded standalone, so pin in batches.
+def pin_group(llm: LLM, group: list[Case], keys: list[list[str]]) -> None:
+    """Pinning encodes the segments; one pin request counts all its segments against the model's
+    context length (8192 positions) although each is encoded standalone, so pin in batches."""
     segs = [Segment(token_ids=ch, kind="plus", key=k) for c, ks in zip(group, keys) for ch, k in zip(c.chunks, ks)]
     batch: list[Segment] = []
     for seg in segs + [None]:  # type: ignore[list-item]
@@ -174,55 +172,66 @@ def run_group(llm: LLM, group: list[Case], tag: str, vs: list[Variant], args: ar
             batch = []
         if seg is not None:
             batch.append(seg)
+
+
+def record(v: Variant, c: Case, rec: dict[str, Any], m: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+    """One case's metrics under one variant, into its record; anomalies noted in stats."""
+    rc = m.get("recompute") or {}
+    if v.policy == "none":
+        frac: float | None = 0.0
+    elif v.series == "full":
+        frac = 1.0
+    elif rc.get("reused"):
+        frac = rc["selected"] / rc["reused"]
+    else:
+        frac = None
+        stats["anomalies"].append(f"{v.label} {c.family}/{c.layout}/{c.index}: no recompute stats (reuse {m['reuse']})")
+    if v.series != "full" and m["reuse"]["segment"] != c.context_tokens:
+        stats["anomalies"].append(f"{v.label} {c.family}/{c.layout}/{c.index}: segment reuse "
+                                  f"{m['reuse']['segment']} != {c.context_tokens} document tokens")
+    p = {"ttft": m["ttft"] if rec["timed"] else None, "reuse": m["reuse"], "recompute": rc, "fraction": frac}
+    rec["policies"][v.label] = p
+    return p
+
+
+def run_variant(llm: LLM, v: Variant, group: list[Case], recs: list[dict[str, Any]], args: argparse.Namespace,
+                stats: dict[str, Any]) -> None:
     one = SamplingParams(max_tokens=1, temperature=0.0)
-    many = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    layouts = [c.segments(v.anchor) for c in group]
+    if v.anchor == "sink":
+        # Sink-anchored segments depend on the sink prefix only, which a pin cannot name: a
+        # request of the sink prefix, the segments and a one-token stand-in question encodes
+        # them, right before the variant runs (unpinned blocks earlier would be LRU-evicted by
+        # the variants in between).
+        sink = list(llm.engine.sink_prefix)
+        llm.generate([[Segment(token_ids=sink)] + lay[1:-1] + [Segment(token_ids=c.suffix[:1])]
+                      for c, lay in zip(group, layouts)], one)
+    for c, lay, rec in zip(group, layouts, recs):  # 1. the timed cases alone: TTFT, reuse, recompute
+        if rec["timed"]:
+            out = llm.generate(lay, one, policy=v.policy)[0]
+            record(v, c, rec, out.metrics, stats)["first_token"] = out.token_ids[0] if out.token_ids else None
+    outs = llm.generate(layouts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0), policy=v.policy)
+    for c, rec, out in zip(group, recs, outs):  # 2. all together: the replies
+        if rec["timed"]:  # its prompt was cached by run 1: this only decoded
+            p = rec["policies"][v.label]
+            computed = out.metrics["reuse"]["computed"]
+            if computed > 1:
+                stats["rerun_computed"].append(computed)
+            if out.token_ids[:1] != [p["first_token"]]:
+                stats["first_token_mismatch"] += 1
+        else:
+            p = record(v, c, rec, out.metrics, stats)
+        p.update(text=out.text, token_ids=list(out.token_ids), correct=is_correct(out.text, c.answer, c.kind))
+
+
+def run_group(llm: LLM, group: list[Case], tag: str, vs: list[Variant], args: argparse.Namespace,
+              records: list[dict[str, Any]], stats: dict[str, Any]) -> None:
+    keys = [[f"{tag}/{i}/{j}" for j in range(len(c.chunks))] for i, c in enumerate(group)]
+    pin_group(llm, group, keys)
     recs = [{"family": c.family, "layout": c.layout, "index": c.index, "answer": c.answer, "timed": c.index < args.timed,
              "prompt_tokens": c.prompt_tokens, "context_tokens": c.context_tokens, "policies": {}} for c in group]
-
-    def record(v: Variant, c: Case, rec: dict[str, Any], m: dict[str, Any]) -> dict[str, Any]:
-        rc = m.get("recompute") or {}
-        if v.policy == "none":
-            frac: float | None = 0.0
-        elif v.series == "full":
-            frac = 1.0
-        elif rc.get("reused"):
-            frac = rc["selected"] / rc["reused"]
-        else:
-            frac = None
-            stats["anomalies"].append(f"{v.label} {c.family}/{c.layout}/{c.index}: no recompute stats (reuse {m['reuse']})")
-        if v.series != "full" and m["reuse"]["segment"] != c.context_tokens:
-            stats["anomalies"].append(f"{v.label} {c.family}/{c.layout}/{c.index}: segment reuse "
-                                      f"{m['reuse']['segment']} != {c.context_tokens} document tokens")
-        p = {"ttft": m["ttft"] if rec["timed"] else None, "reuse": m["reuse"], "recompute": rc, "fraction": frac}
-        rec["policies"][v.label] = p
-        return p
-
     for v in vs:
-        layouts = [c.segments(v.anchor) for c in group]
-        if v.anchor == "sink":
-            # Sink-anchored segments depend on the sink prefix only, which a pin cannot name: a
-            # request of the sink prefix, the segments and a one-token stand-in question encodes
-            # them, right before the variant runs (unpinned blocks earlier would be LRU-evicted by
-            # the variants in between).
-            sink = list(llm.engine.sink_prefix)
-            llm.generate([[Segment(token_ids=sink)] + lay[1:-1] + [Segment(token_ids=c.suffix[:1])]
-                          for c, lay in zip(group, layouts)], one)
-        for c, lay, rec in zip(group, layouts, recs):  # 1. the timed cases alone: TTFT, reuse, recompute
-            if rec["timed"]:
-                out = llm.generate(lay, one, policy=v.policy)[0]
-                record(v, c, rec, out.metrics)["first_token"] = out.token_ids[0] if out.token_ids else None
-        outs = llm.generate(layouts, many, policy=v.policy)  # 2. all together: the replies
-        for c, rec, out in zip(group, recs, outs):
-            if rec["timed"]:  # its prompt was cached by run 1: this only decoded
-                p = rec["policies"][v.label]
-                computed = out.metrics["reuse"]["computed"]
-                if computed > 1:
-                    stats["rerun_computed"].append(computed)
-                if out.token_ids[:1] != [p["first_token"]]:
-                    stats["first_token_mismatch"] += 1
-            else:
-                p = record(v, c, rec, out.metrics)
-            p.update(text=out.text, token_ids=list(out.token_ids), correct=is_correct(out.text, c.answer, c.kind))
+        run_variant(llm, v, group, recs, args, stats)
     for rec in recs:
         ref = rec["policies"]["full"]["token_ids"]
         for p in rec["policies"].values():

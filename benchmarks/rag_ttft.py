@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         device, dtype = "cpu", torch.float32
         llm = build_llm(load_model("smollm2", dtype, device), args, device, dtype)
         model_name = f"SmolLM2-135M f32 CPU, {torch.get_num_threads()} thread(s)"
-    backend = type(llm.engine.runner.backend).__name__
+    backend = type(llm.engine.executor.backend).__name__
     print(f"{model_name}, attention backend {backend}", flush=True)
     bench = Bench(llm, args.question_len, args.seed)
 

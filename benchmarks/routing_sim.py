@@ -37,7 +37,7 @@ from spanserve.cache.block_pool import BlockPool
 from spanserve.cache.claim import Admission, Piece
 from spanserve.cache.manager import CacheManager
 from spanserve.cluster import routing
-from zipf_hits import zipf_trace
+from common.traces import zipf_trace
 
 ROUTERS = ("round_robin", "prefix_hash", "segment_aware")
 

@@ -14,6 +14,10 @@ driven over loopback HTTP by a load generator in this process.
 
     python benchmarks/serving.py            # GPU, about 7 minutes including model creation
     python benchmarks/serving.py --dry      # the whole pipeline on a CPU, tiny model and loads
+
+Two modes run as child processes of that run, each with the device to itself (code in
+benchmarks/common/): `serving.py write-model DIR [--dry]` writes the random checkpoint and prints
+its sizes and the copy bandwidth; `serving.py offline DIR --requests R.json` runs the offline engine.
 """
 from __future__ import annotations
 
@@ -36,9 +40,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # this checkout's spanserve
 from common import format_table, write_json  # noqa: E402
-from serving_load import (RagShape, Request, chat_requests, rag_corpus, rag_requests, run_load,  # noqa: E402
-                          summarize)
-from serving_model import FIRST_WORD, SPECIAL_BASE  # noqa: E402
+from common import serving_model, serving_offline  # noqa: E402
+from common.serving_load import (RagShape, Request, chat_requests, rag_corpus, rag_requests, run_load,  # noqa: E402
+                                 summarize)
+from common.serving_model import FIRST_WORD, SPECIAL_BASE  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -52,9 +57,9 @@ def _pythonpath() -> str:
 
 
 def sh(cmd: list[str], timeout: float) -> dict[str, Any]:
-    """Run a helper script; its last stdout line is JSON."""
+    """Run this script in a child mode; its last stdout line is JSON."""
     env = dict(os.environ, PYTHONPATH=_pythonpath())
-    done = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *cmd], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -226,7 +231,7 @@ def offline(a: argparse.Namespace, sat: list[Request], warm: list[Request]) -> d
     tmp = Path(tempfile.mkdtemp())
     for name, reqs in (("sat.json", sat), ("warm.json", warm)):
         (tmp / name).write_text(json.dumps([asdict(r) for r in reqs]))
-    return sh([str(HERE / "serving_offline.py"), str(a.model_dir), "--requests", str(tmp / "sat.json"),
+    return sh(["offline", str(a.model_dir), "--requests", str(tmp / "sat.json"),
                "--warmup", str(tmp / "warm.json"), "--max-num-seqs", str(a.max_num_seqs),
                *(["--kv-cache-memory", a.kv_cache_memory] if a.kv_cache_memory else [])], timeout=a.reserve + 40)
 
@@ -318,13 +323,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+CHILD_MODES = {"write-model": serving_model.main, "offline": serving_offline.main}
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in CHILD_MODES:
+        CHILD_MODES[argv[0]](argv[1:])
+        return
     a = parse(argv)
     if a.dry:  # one thread per process: steadier on a shared CPU, and server and offline alike
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     d = Driver(a)
     print(f"preparing {a.model_dir} ...", flush=True)
-    prep = sh([str(HERE / "serving_model.py"), str(a.model_dir), *(["--dry"] if a.dry else [])], timeout=300)
+    prep = sh(["write-model", str(a.model_dir), *(["--dry"] if a.dry else [])], timeout=300)
     print(f"  model ready in {prep['seconds']:.0f} s: {prep['weight_bytes'] / 1e9:.2f} GB of weights per decode step, "
           f"{prep['kv_bytes_per_token'] / 1024:.0f} KiB KV per token; copy bandwidth {prep['copy_gbps']:.0f} GB/s",
           flush=True)

@@ -143,6 +143,24 @@ def plot(medians: dict[str, float], title: str, name: str) -> str:
     return str(path)
 
 
+def run_rounds(runner: Runner, prompts: list[list[int]], args: argparse.Namespace
+               ) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
+    """Seconds per round of every variant (the order rotates each round) and the last outputs."""
+    n_gen = args.prompts * args.new_tokens
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    outputs: dict[str, list[list[int]]] = {}
+    for r in range(args.rounds):
+        runner.namespace = f"round-{r}"
+        for name in rotated(VARIANTS, r):
+            out, secs = timed(lambda: runner.by_name(name)(prompts))
+            if any(len(o) != args.new_tokens for o in out):
+                raise RuntimeError(f"{name} generated {sorted({len(o) for o in out})} tokens, not {args.new_tokens}")
+            times[name].append(secs)
+            outputs[name] = out
+            print(f"round {r} {name:>10}: {secs:7.2f} s  {n_gen / secs:7.1f} tok/s", flush=True)
+    return times, outputs
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     set_threads(args.threads)
@@ -159,18 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         runner.by_name(name)(prompts[:2])
     runner.new_tokens = args.new_tokens
 
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    outputs: dict[str, list[list[int]]] = {}
-    for r in range(args.rounds):
-        runner.namespace = f"round-{r}"
-        for name in rotated(VARIANTS, r):
-            out, secs = timed(lambda: runner.by_name(name)(prompts))
-            if any(len(o) != args.new_tokens for o in out):
-                raise RuntimeError(f"{name} generated {sorted({len(o) for o in out})} tokens, not {args.new_tokens}")
-            times[name].append(secs)
-            outputs[name] = out
-            print(f"round {r} {name:>10}: {secs:7.2f} s  {n_gen / secs:7.1f} tok/s", flush=True)
-
+    times, outputs = run_rounds(runner, prompts, args)
     tps = {v: [n_gen / s for s in times[v]] for v in VARIANTS}
     med = {v: median(tps[v]) for v in VARIANTS}
     # Ratios per round (the variants of one round ran back to back), then the median.

@@ -151,7 +151,7 @@ class Bench:
 
     def graph_captures(self) -> int:
         """Step CUDA graphs captured so far (none without graphs; the log keeps the last 64)."""
-        graphs = getattr(self.eng.runner, "step_graphs", None)
+        graphs = getattr(self.eng.executor, "step_graphs", None)
         return len(graphs.captured) if graphs is not None else 0
 
     def layout(self) -> list[Segment]:

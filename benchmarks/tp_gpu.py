@@ -29,7 +29,8 @@ from typing import Any
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (inherited by workers)
 
 import torch  # noqa: E402
-from common import format_table, llama3_8b_config, median, random_tokens, write_json  # noqa: E402
+
+from common import format_table, llama3_8b_config, median, random_tokens, tiny_llama_config, write_json  # noqa: E402
 
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
@@ -41,11 +42,6 @@ from spanserve.model.weights import RandomWeights  # noqa: E402
 def llama3_70b_config() -> ModelConfig:
     return dataclasses.replace(llama3_8b_config(), hidden_size=8192, intermediate_size=28672, num_layers=80,
                                num_heads=64, num_kv_heads=8, name="random-llama3-70b")
-
-
-def tiny_config() -> ModelConfig:
-    return dataclasses.replace(llama3_8b_config(), vocab_size=1024, hidden_size=128, intermediate_size=256,
-                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, name="tiny")
 
 
 class Run:
@@ -105,13 +101,13 @@ class Run:
                 + [Segment(token_ids=q)] for order, q in zip(([0, 1, 2], [2, 0, 1], [1, 2]), qs)]
         params = SamplingParams(max_tokens=self.args.greedy_tokens, temperature=0, ignore_eos=True, logprobs=2)
         out, gaps, chained = [], [], []
-        chain, eng.chain = eng.chain, None  # this pass takes its steps one at a time
+        overlap, eng.overlap = eng.overlap, False  # this pass takes its steps one at a time
         for lay in lays:  # one at a time: the later ones read the first one's cached documents
             req = eng.add_request(lay, params)
             self.drain(eng)
             out.append(list(req.output_token_ids))
             gaps.append([_gap(lp.top) for lp in req.logprobs])
-        eng.chain = chain
+        eng.overlap = overlap
         for lay in lays:
             req = eng.add_request(lay, params, namespace="chained")
             self.drain(eng)
@@ -186,7 +182,7 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 def shape_8b(run: Run) -> None:
     args = run.args
-    cfg = tiny_config() if args.dry else llama3_8b_config()
+    cfg = tiny_llama_config() if args.dry else llama3_8b_config()
     blocks = (args.prefill + max(args.batches) * (args.context + args.decode_steps + 16)) // 16 + 512
     kw = dict(num_blocks=blocks, max_num_batched_tokens=args.prefill + 16, max_num_seqs=max(args.batches))
     variants = [VARIANTS["tp1"]] + [VARIANTS[x] for x in args.variants]
@@ -245,7 +241,7 @@ def shape_8b(run: Run) -> None:
 def shape_70b(run: Run) -> None:
     """Warm RAG TTFT next to the stock prefill of the same tokens, TP=2 only."""
     args = run.args
-    cfg = tiny_config() if args.dry else llama3_70b_config()
+    cfg = tiny_llama_config() if args.dry else llama3_70b_config()
     n, L, qlen = args.docs, args.doc_len, 64
     total = n * L + qlen
     blocks = 2 * (total // 16 + n + 8) + 64  # the pinned documents + one whole stock request

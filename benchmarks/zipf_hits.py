@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common import format_table, save_figure, write_json
+from common.traces import zipf_trace
 from spanserve.cache import hashing
 from spanserve.cache.block_pool import Block, BlockPool
 
@@ -62,20 +63,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.k > min(args.docs, args.slots):
         ap.error("--k must be at most --docs and --slots")
     return args
-
-
-def zipf_trace(n_requests: int, n_docs: int, k: int, n_slots: int, alpha: float,
-               rng: np.random.Generator) -> list[list[tuple[int, int]]]:
-    """Per request, k (document, slot) pairs: distinct documents by Zipf popularity (rank r has
-    weight r^-alpha), distinct slots uniformly at random."""
-    weights = np.arange(1, n_docs + 1, dtype=np.float64) ** -alpha
-    p = weights / weights.sum()
-    trace = []
-    for _ in range(n_requests):
-        docs = rng.choice(n_docs, size=k, replace=False, p=p)
-        slots = rng.choice(n_slots, size=k, replace=False)
-        trace.append([(int(d), int(s)) for d, s in zip(docs, slots)])
-    return trace
 
 
 class Simulator:

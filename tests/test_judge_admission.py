@@ -266,6 +266,78 @@ def _step(m: CacheManager, req: Request, tok: int, first: bool) -> None:
     req.main.todo.append(len(req.main.tokens) - 1)
 
 
+def generation_wave(m: CacheManager, rng: random.Random, step: int, prompts: list[list[int]], rand,
+                    trace: list, convs: list[list[int]]) -> None:
+    """Generations (several sharing a prompt) stepped together until each reaches its length,
+    finishing with its last token uncomputed; finished conversations are appended to convs."""
+    live = []
+    for j in range(rng.randrange(1, 5)):
+        p = rng.choice(prompts) if rng.random() < 0.7 else rand(2, 14)
+        req = Request(f"g{step}.{j}", p, SamplingParams(),
+                      pieces=[Piece("cross", tuple(p), 0, packed=_packed(p) if rng.random() < 0.7 else None)])
+        if admit(m, req):
+            live.append((req, rng.randrange(1, 30)))
+            trace.append(_snap(m, req))
+    for k in range(30):
+        for req, n in list(live):
+            if k and not m.ensure_capacity(req.kv):
+                m.release(req.kv)
+                live.remove((req, n))
+                continue
+            _step(m, req, rng.randrange(VOCAB), k == 0)
+            if len(req.output_token_ids) < n:
+                m.publish(req.kv)
+                continue
+            m.release(req.kv)
+            live.remove((req, n))
+            convs.append(req.prompt_token_ids + req.output_token_ids)
+    trace.append(_snap(m))
+
+
+def judge_request(rng: random.Random, step: int, heads: list[list[int]], chosen: list[list[int]],
+                  convs: list[list[int]], rand) -> tuple[Request, list[list[int]]]:
+    """A judge: an optional cross head, conversations as plus segments (new ones, or the last
+    judge's reordered; some edited, some anchored on the head), a question; policy none or
+    cacheblend. Returns it and the conversations it chose."""
+    pieces = [Piece("cross", tuple(h), 0, packed=_packed(h)) for h in [rng.choice(heads)] if rng.random() < 0.8]
+    pos = sum(len(p.tokens) for p in pieces)
+    if not chosen or rng.random() < 0.5:  # else: the last judge's conversations, reordered
+        chosen = [rng.choice(convs) for _ in range(rng.randrange(1, 5))]
+    rng.shuffle(chosen)
+    for c in [list(c) for c in chosen]:
+        if rng.random() < 0.15:
+            c[rng.randrange(len(c))] = rng.randrange(VOCAB)  # an edited copy: perforated
+        a = pieces[0].end if pieces and pieces[0].kind == "cross" and rng.random() < 0.2 else 0
+        pieces.append(Piece("plus", tuple(c), pos, a, packed=_packed(c)))
+        pos += len(c)
+    q = rand(1, 9)
+    pieces.append(Piece("cross", tuple(q), pos, packed=_packed(q)))
+    pol = resolve_policy(rng.choice(["none", "none", "cacheblend"]))
+    return Request(f"j{step}", [t for p in pieces for t in p.tokens], SamplingParams(), pieces=pieces, policy=pol), chosen
+
+
+def run_judge(m: CacheManager, rng: random.Random, req: Request, trace: list, stats: dict) -> None:
+    """Admit a judge; mostly compute it and take a few decode steps, sometimes preempt it."""
+    if not admit(m, req):
+        trace.append(_snap(m))
+        return
+    stats["tail_encodes"] += sum(1 for u in req.units if u.plus and u.todo)
+    trace.append(_snap(m, req))
+    if rng.random() < 0.8:  # computed, then a few decode steps (the table grows)
+        for k in range(rng.randrange(6)):
+            if k and not m.ensure_capacity(req.kv):
+                break
+            _step(m, req, rng.randrange(VOCAB), k == 0)
+            m.publish(req.kv)
+            trace.append(_snap(m, req))
+        if rng.random() < 0.3:  # preempted, admitted again with its output
+            m.release(req.kv)
+            req.num_preemptions += 1
+            trace.append(_snap(m, req) if admit(m, req) else _snap(m))
+    m.release(req.kv)
+    trace.append(_snap(m))
+
+
 def scenario(m: CacheManager, seed: int, stats: dict) -> list:
     """Waves of generations (several sharing a prompt, stepped together, finishing with their
     last token uncomputed), then judges over their conversations: the state after each move."""
@@ -277,62 +349,10 @@ def scenario(m: CacheManager, seed: int, stats: dict) -> list:
     prompts, heads = [rand(2, 14) for _ in range(3)], [rand(1, 7) for _ in range(2)]
     for step in range(14):
         if step % 3 == 0 or not convs:
-            live = []
-            for j in range(rng.randrange(1, 5)):
-                p = rng.choice(prompts) if rng.random() < 0.7 else rand(2, 14)
-                req = Request(f"g{step}.{j}", p, SamplingParams(),
-                              pieces=[Piece("cross", tuple(p), 0, packed=_packed(p) if rng.random() < 0.7 else None)])
-                if admit(m, req):
-                    live.append((req, rng.randrange(1, 30)))
-                    trace.append(_snap(m, req))
-            for k in range(30):
-                for req, n in list(live):
-                    if k and not m.ensure_capacity(req.kv):
-                        m.release(req.kv)
-                        live.remove((req, n))
-                        continue
-                    _step(m, req, rng.randrange(VOCAB), k == 0)
-                    if len(req.output_token_ids) < n:
-                        m.publish(req.kv)
-                        continue
-                    m.release(req.kv)
-                    live.remove((req, n))
-                    convs.append(req.prompt_token_ids + req.output_token_ids)
-            trace.append(_snap(m))
+            generation_wave(m, rng, step, prompts, rand, trace, convs)
             continue
-        pieces = [Piece("cross", tuple(h), 0, packed=_packed(h)) for h in [rng.choice(heads)] if rng.random() < 0.8]
-        pos = sum(len(p.tokens) for p in pieces)
-        if not chosen or rng.random() < 0.5:  # else: the last judge's conversations, reordered
-            chosen = [rng.choice(convs) for _ in range(rng.randrange(1, 5))]
-        rng.shuffle(chosen)
-        for c in [list(c) for c in chosen]:
-            if rng.random() < 0.15:
-                c[rng.randrange(len(c))] = rng.randrange(VOCAB)  # an edited copy: perforated
-            a = pieces[0].end if pieces and pieces[0].kind == "cross" and rng.random() < 0.2 else 0
-            pieces.append(Piece("plus", tuple(c), pos, a, packed=_packed(c)))
-            pos += len(c)
-        q = rand(1, 9)
-        pieces.append(Piece("cross", tuple(q), pos, packed=_packed(q)))
-        pol = resolve_policy(rng.choice(["none", "none", "cacheblend"]))
-        req = Request(f"j{step}", [t for p in pieces for t in p.tokens], SamplingParams(), pieces=pieces, policy=pol)
-        if not admit(m, req):
-            trace.append(_snap(m))
-            continue
-        stats["tail_encodes"] += sum(1 for u in req.units if u.plus and u.todo)
-        trace.append(_snap(m, req))
-        if rng.random() < 0.8:  # computed, then a few decode steps (the table grows)
-            for k in range(rng.randrange(6)):
-                if k and not m.ensure_capacity(req.kv):
-                    break
-                _step(m, req, rng.randrange(VOCAB), k == 0)
-                m.publish(req.kv)
-                trace.append(_snap(m, req))
-            if rng.random() < 0.3:  # preempted, admitted again with its output
-                m.release(req.kv)
-                req.num_preemptions += 1
-                trace.append(_snap(m, req) if admit(m, req) else _snap(m))
-        m.release(req.kv)
-        trace.append(_snap(m))
+        req, chosen = judge_request(rng, step, heads, chosen, convs, rand)
+        run_judge(m, rng, req, trace, stats)
     stats["rotated"] += sum(1 for e in m.storage.log if e[0] == "rotated")
     return trace
 

@@ -1,0 +1,45 @@
+"""Pieces shared by the GPU tests: the Llama-3-8B shape, span layouts of random tokens, and the
+teardown that gives an engine's device memory back before the next one is built."""
+from __future__ import annotations
+
+import gc
+import torch
+
+from spanserve import Segment
+from spanserve.model.config import ModelConfig
+
+# Llama-3.1-8B's shape (128k context, llama3 RoPE scaling); weights are random in these tests.
+LLAMA3_8B = ModelConfig(
+    arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+    num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
+    eos_token_ids=(128001, 128009), name="random-llama3-8b",
+)
+
+
+def release() -> None:
+    """Give the device memory of engines already shut down and dropped back to the driver, so the
+    next engine's KV sizing sees it free: `llm.shutdown(); del llm; release()`."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def span_layouts(gen: torch.Generator, vocab: int, doc: list[int]) -> list[list[Segment] | list[int]]:
+    """Two span layouts that place `doc` at different positions (non-zero deltas once cached),
+    one with an anchored plus segment, and a plain prompt."""
+    def t(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=gen).tolist()
+
+    return [
+        [Segment(token_ids=t(11)), Segment(token_ids=doc, kind="plus"), Segment(token_ids=t(30), kind="plus"),
+         Segment(token_ids=t(7))],
+        [Segment(token_ids=t(29)), Segment(token_ids=t(13), kind="plus", anchor="prefix"),
+         Segment(token_ids=doc, kind="plus"), Segment(token_ids=t(5))],
+        t(50),
+    ]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
