@@ -1,6 +1,14 @@
+import os
+
 import pytest
+import torch
 
 from redis_server import RedisServer
+
+# Without a GPU, Triton kernels run in its interpreter. Set before any test module imports them:
+# @triton.jit reads it when a kernel is defined, and tests/gpu's modules are collected first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")

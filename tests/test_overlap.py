@@ -138,12 +138,12 @@ def test_chained_decode_under_tensor_parallelism(tmp_path) -> None:
         two.shutdown()
 
 
-def test_streams_through_the_async_engine(tmp_path) -> None:
+def test_streams_through_the_engine_client(tmp_path) -> None:
     """The server's engine loop: streams see every token once, in order, the same as offline
     steps one at a time; a consumer that walks away mid-stream frees its blocks."""
     import asyncio
 
-    from spanserve.engine.async_engine import AsyncEngine
+    from spanserve.engine.inproc import inproc_client
 
     path, _ = make_tiny_model("llama", tmp_path, seed=3)
     gen = torch.Generator().manual_seed(3)
@@ -154,7 +154,7 @@ def test_streams_through_the_async_engine(tmp_path) -> None:
     chained = _engine(path, True)
 
     async def main() -> tuple[list[list[list[int]]], int]:
-        aeng = AsyncEngine(chained)
+        aeng = inproc_client(chained)
         aeng.start()
         try:
             async def stream(i: int, stop_after: int | None) -> list[list[int]]:
@@ -167,9 +167,9 @@ def test_streams_through_the_async_engine(tmp_path) -> None:
 
             streams = await asyncio.gather(stream(0, None), stream(1, None), stream(0, 4))
             for _ in range(200):
-                busy, free = await aeng.call(lambda e: (e.has_unfinished(), e.pool.num_free))
-                if not busy:
-                    return streams, free
+                stats = await aeng.call("stats")
+                if not stats["running"] and not stats["waiting"]:
+                    return streams, stats["blocks_free"]
                 await asyncio.sleep(0.01)
             raise AssertionError("engine still busy")
         finally:

@@ -113,4 +113,4 @@ def test_bad_response_format_is_400(client: TestClient, fmt: Any, route: str) ->
     assert err["param"] in ("response_format", "response_format.type")
     ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200  # nothing was left behind
-    assert client.app.state.ctx.engine.engine.grammars.live == 0  # type: ignore[attr-defined]
+    assert client.app.state.ctx.engine.transport.core.engine.grammars.live == 0  # type: ignore[attr-defined]

@@ -13,9 +13,9 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from spanserve.engine.core import EngineInfo
 from spanserve.engine.detokenize import make_decoder
@@ -29,6 +29,14 @@ from spanserve.engine.wire import Abort, Add, Beat, Call, Delta, Input, Output, 
 from spanserve.reuse.policies import resolve_policy
 
 log = logging.getLogger("spanserve.client")
+
+
+class EngineObserver(Protocol):
+    """Sees every output the client delivers, in step order, on the event loop's thread."""
+
+    def on_outputs(self, outputs: Sequence[RequestOutput], now: float) -> None: ...
+
+    def on_abort(self, request_id: str) -> None: ...
 
 
 class EngineOverloaded(RuntimeError):
@@ -159,14 +167,16 @@ class EngineClient:
     """One API server's handle on the engine core."""
 
     def __init__(self, transport: Transport, tokenizer: Any, info: EngineInfo, max_pending: int | None = None,
-                 client_id: int = 0, compile_grammar: Callable[[dict], Any] | None = None):
+                 client_id: int = 0, compile_grammar: Callable[[dict], Any] | None = None,
+                 observer: EngineObserver | None = None):
         self.transport = transport
         self.tokenizer = tokenizer
         self.info = info
         self.limits = Limits(info.vocab_size, info.max_model_len, tuple(info.sink_prefix))
         self.max_pending = max_pending  # requests in flight before new ones get EngineOverloaded
         self.client_id = client_id
-        self._compile = compile_grammar  # response_format -> compiled grammar (off the loop)
+        self.compile_grammar = compile_grammar  # response_format -> compiled grammar (off the loop)
+        self.observer = observer
         self._decode = make_decoder(tokenizer)
         self._tracks: dict[str, _Track] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
@@ -211,6 +221,17 @@ class EngineClient:
         await self._compile_grammars(prepared)
         return self._send([(p, s.prompt) for p, s in zip(prepared, specs)])
 
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       namespace: str = "") -> AsyncGenerator[RequestOutput, None]:
+        """Yields outputs as the request progresses, the last one finished. Closing or cancelling
+        the consumer aborts the request in the engine, which frees its blocks."""
+        (stream,) = await self.add_requests([RequestSpec(prompt, params, request_id, namespace)])
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
     async def pin(self, segments: Sequence[Segment], namespace: str = "", request_id: str = "") -> RequestStream:
         """Queue the encoding and pinning of plus segments; the stream's one output arrives when
         they are cached and pinned (finish_reason "stop"), or carries the core's refusal."""
@@ -224,7 +245,11 @@ class EngineClient:
         return stream
 
     def abort(self, request_id: str) -> None:
-        if self._tracks.pop(request_id, None) is not None and self.is_alive:
+        if self._tracks.pop(request_id, None) is None:
+            return
+        if self.observer is not None:
+            self.observer.on_abort(request_id)
+        if self.is_alive:
             self.transport.send(Abort([request_id]))
 
     async def call(self, method: str, *args: Any) -> Any:
@@ -261,9 +286,9 @@ class EngineClient:
     async def _compile_grammars(self, prepared: list[Prepared]) -> None:
         for p in prepared:
             if p.params.response_format is not None:
-                if self._compile is None:
+                if self.compile_grammar is None:
                     raise ValueError("response_format is not supported by this server")
-                p.grammar = await self._compile(p.params.response_format)
+                p.grammar = await self.compile_grammar(p.params.response_format)
 
     def _send(self, items: list[tuple[Prepared, Any]]) -> list[RequestStream]:
         streams = []
@@ -279,8 +304,12 @@ class EngineClient:
         self.last_heard = time.monotonic()
         if isinstance(msg, StepOutputs):
             self.steps = msg.steps
-            for d in msg.deltas:
-                self._deliver(d)
+            outs = [o for o in map(self._deliver, msg.deltas) if o is not None]
+            if outs and self.observer is not None:
+                try:
+                    self.observer.on_outputs(outs, self.last_heard)
+                except Exception:  # metrics must never take serving down
+                    log.exception("engine observer failed")
         elif isinstance(msg, Reply):
             fut = self._calls.pop(msg.call_id, None)
             if fut is not None and not fut.done():
@@ -288,20 +317,21 @@ class EngineClient:
         elif isinstance(msg, Beat):
             self.steps = msg.steps
 
-    def _deliver(self, d: Delta) -> None:
+    def _deliver(self, d: Delta) -> RequestOutput | None:
         track = self._tracks.get(d.request_id)
         if track is None:
-            return  # aborted by its consumer while the step ran
+            return None  # aborted by its consumer while the step ran
         if d.error is not None:
             del self._tracks[d.request_id]
             track.stream._push(EngineStepError(d.error) if d.by == "failed" else ValueError(d.error))
-            return
+            return None
         out, ended_here = track.apply(d)
         if out.finished:
             del self._tracks[d.request_id]
             if ended_here and self.is_alive:  # a stop string: the core would go on
                 self.transport.send(Abort([d.request_id]))
         track.stream._push(out)
+        return out
 
     def _on_dead(self, reason: str) -> None:
         if self.dead is None:

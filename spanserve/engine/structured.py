@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,6 +199,29 @@ class Grammars:
                                                                  stop_token_ids=self.eos_token_ids)
             self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=1)
         return self._compiler
+
+
+class FormatCompiler:
+    """Compiles response formats for an engine core on the client's side, off the event loop:
+    `serialize` for a core in another process (which opens the text with the same tokenizer)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int], serialize: bool = False):
+        self.grammars = Grammars(tokenizer, vocab_size, eos_token_ids)
+        self.serialize = serialize
+        self._lock = threading.Lock()  # one compiler, one compile at a time
+
+    def compile(self, response_format: dict) -> Any:
+        fmt = parse_response_format(response_format)
+        if fmt is None:  # plain text: nothing to constrain
+            return None
+        with self._lock:
+            compiled = self.grammars.compile(fmt)
+        return compiled.serialize_json() if self.serialize else compiled
+
+    async def __call__(self, response_format: dict) -> Any:
+        import asyncio
+
+        return await asyncio.get_running_loop().run_in_executor(None, self.compile, response_format)
 
 
 def _row_allowing(tokens: list[int], vocab_size: int) -> torch.Tensor:

@@ -16,8 +16,10 @@ from fastapi.responses import JSONResponse
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.responses import Response
 
-from spanserve.engine.async_engine import AsyncEngine
+from spanserve.engine.client import EngineClient, EngineDeadError
 from spanserve.engine.engine import LLMEngine
+from spanserve.engine.inproc import inproc_client
+from spanserve.engine.structured import FormatCompiler
 from spanserve.server.auth import OPEN_PATHS, BearerAuth
 from spanserve.server.chat import create_chat_completion
 from spanserve.server.compat import screen, screen_unknown
@@ -55,11 +57,19 @@ class _SegmentKey(Convertor[str]):
 register_url_convertor("segment_key", _SegmentKey())
 
 
-def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
-    metrics = ServerMetrics(engine)
-    async_engine = AsyncEngine(engine, max_pending=config.max_pending, observer=metrics)
-    ctx = ServingContext(async_engine, config, metrics)
-    app = FastAPI(title="spanserve", lifespan=_lifespan(engine, ctx))
+def create_app(engine: LLMEngine | EngineClient, config: ServerConfig) -> FastAPI:
+    """The API over an engine core: `engine` is a client of one (a core in its own process, say),
+    or an LLMEngine, which then steps on a thread of this process."""
+    metrics = ServerMetrics()
+    owned = engine if isinstance(engine, LLMEngine) else None
+    client = inproc_client(owned, config.max_pending) if owned is not None else engine
+    client.observer = metrics
+    if client.compile_grammar is None and client.tokenizer is not None:
+        info = client.info
+        serialize = owned is None  # a core in another process opens the grammar from its text
+        client.compile_grammar = FormatCompiler(client.tokenizer, info.vocab_size, set(info.eos_token_ids), serialize)
+    ctx = ServingContext(client, config, metrics)
+    app = FastAPI(title="spanserve", lifespan=_lifespan(owned, ctx))
     app.state.ctx = ctx
     install_handlers(app)
     if config.api_key:
@@ -73,7 +83,7 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     return app
 
 
-def _lifespan(engine: LLMEngine, ctx: ServingContext) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+def _lifespan(engine: LLMEngine | None, ctx: ServingContext) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         ctx.engine.start()
@@ -82,8 +92,9 @@ def _lifespan(engine: LLMEngine, ctx: ServingContext) -> Callable[[FastAPI], Abs
         finally:
             await ctx.engine.shutdown()
             ctx.close()
-            # queued tier writes finish (a disk tier keeps the pool's blocks for the next start)
-            await asyncio.get_running_loop().run_in_executor(None, engine.close)
+            if engine is not None:  # a core in this process: queued tier writes finish (a disk tier
+                # keeps the pool's blocks for the next start); a core process does this itself
+                await asyncio.get_running_loop().run_in_executor(None, engine.close)
 
     return lifespan
 
@@ -104,8 +115,12 @@ def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/health")
     async def health() -> Response:
         if not ctx.engine.is_alive:
-            return APIError(503, "the engine is not running", code="engine_unavailable").response()
-        return JSONResponse({"status": "ok"})
+            return APIError(503, f"the engine is not running: {ctx.engine.dead}", code="engine_unavailable").response()
+        stalled = ctx.engine.stalled_for()
+        if stalled > ctx.config.step_timeout_s:
+            return APIError(503, f"the engine has not finished a step in {stalled:.0f} s while requests wait",
+                            code="engine_stalled").response()
+        return JSONResponse({"status": "ok", "steps": ctx.engine.steps})
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -114,7 +129,11 @@ def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+        try:
+            stats = await ctx.engine.call("stats")
+        except EngineDeadError:
+            stats = {}
+        return Response(ctx.metrics.render(stats), media_type=CONTENT_TYPE)
 
 
 def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:

@@ -1,9 +1,8 @@
 """Everything a route needs to turn an API request into engine requests and collect them.
 
-Tokenization runs on a private copy of the tokenizer in one worker thread: the engine thread
-decodes with the engine's own instance while it steps, and a Rust-backed tokenizer shared
-between threads can fail with "Already borrowed"; the worker keeps long prompts off the event
-loop too.
+Tokenization runs on a private copy of the tokenizer in one worker thread: the engine client
+decodes with its own copy on the event loop, and a Rust-backed tokenizer shared between threads
+can fail with "Already borrowed"; the worker keeps long prompts off the event loop too.
 """
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ from typing import Any
 
 from starlette.requests import Request as HTTPRequest
 
-from spanserve.engine.async_engine import (
-    AsyncEngine,
+from spanserve.engine.client import (
+    EngineClient,
     EngineDeadError,
     EngineOverloaded,
     EngineStepError,
@@ -68,6 +67,8 @@ class ServerConfig:
     # Bearer key every route but /health and /metrics requires (those too with auth_all_routes).
     api_key: str | None = None
     auth_all_routes: bool = False
+    # /health answers 503 once requests have waited this long on an engine that finished no step
+    step_timeout_s: float = 60.0
 
 
 @dataclass
@@ -108,12 +109,12 @@ def usage_of(outputs: Sequence[RequestOutput], prompt: int | None = None, comple
 
 
 class ServingContext:
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics):
+    def __init__(self, engine: EngineClient, config: ServerConfig, metrics: ServerMetrics):
         self.engine = engine
         self.config = config
         self.metrics = metrics
-        self.max_model_len: int = engine.engine.max_model_len
-        source_tok = engine.engine.tokenizer
+        self.max_model_len: int = engine.info.max_model_len
+        source_tok = engine.tokenizer
         self.tokenizer: Any = copy.deepcopy(source_tok) if source_tok is not None else None
         if self.tokenizer is not None:
             # The first encode may reset truncation/padding state (a mutation); do it now, while
@@ -225,7 +226,7 @@ class ServingContext:
 
     def _params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None, sample: int,
                 prompt_logprobs: int | None) -> SamplingParams:
-        vocab = self.engine.engine.config.vocab_size
+        vocab = self.engine.info.vocab_size
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}  # keys checked by compat.screen
         if any(t >= vocab for t in bias):
             raise bad_request(f"logit_bias names token id {max(bias)}, outside this model's vocabulary of {vocab}",

@@ -1,20 +1,19 @@
 """Prometheus metrics on a registry of our own (so tests and embedders never collide with the
 process-wide default one).
 
-Latencies are observed on the engine thread as outputs come out of a step. Pool and queue sizes
-and the engine's cumulative counters are read at scrape time instead of mirrored: every read is
-a single int or len() (atomic under the GIL), so a scrape never waits for a model step and can
-never disagree with the engine by a missed update.
+Latencies are observed as the engine client delivers each step's outputs. Pool and queue sizes
+and the engine's cumulative counters are read at scrape time, from one snapshot the engine core
+takes between two steps (its `stats` call), so they never disagree with each other.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from spanserve.engine.engine import LLMEngine
 from spanserve.engine.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -26,28 +25,30 @@ REUSE_KINDS = ("prefix", "perforated", "segment", "computed")
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    """Families read from the engine core's last stats snapshot (engine/core.py's `stats` call),
+    which the /metrics route asks for before it renders."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, Any] = {}
 
     def collect(self) -> Iterator[Metric]:
-        e = self.engine
-        pool = e.pool
-        total, free = pool.num_blocks, pool.num_free
-        pinned = list(e.pinned.values())  # one C-level copy: the engine thread may pin meanwhile
+        s = self.stats
+        if not s:
+            return
+        total, free = s["blocks_total"], s["blocks_free"]
         for name, doc, value in (
             ("spanserve_kv_blocks_total", "KV blocks in the pool", total),
             ("spanserve_kv_blocks_free", "KV blocks not held by any request (cached ones included)", free),
             ("spanserve_kv_blocks_used", "KV blocks held by at least one request", total - free),
-            ("spanserve_kv_blocks_cached", "KV blocks published in the reuse index (held or free)",
-             pool.num_cached),
-            ("spanserve_kv_block_size_tokens", "tokens per KV block", e.block_size),
-            ("spanserve_requests_running", "requests scheduled in the running batch", len(e.scheduler.running)),
-            ("spanserve_requests_waiting", "requests queued for admission", len(e.scheduler.waiting)),
-            ("spanserve_segments_pinned", "segments pinned through /v1/segments or LLMEngine.pin", len(pinned)),
-            ("spanserve_kv_blocks_pinned", "KV blocks held by pinned segments", sum(len(b) for b in pinned)),
+            ("spanserve_kv_blocks_cached", "KV blocks published in the reuse index (held or free)", s["blocks_cached"]),
+            ("spanserve_kv_block_size_tokens", "tokens per KV block", s["block_size"]),
+            ("spanserve_requests_running", "requests scheduled in the running batch", s["running"]),
+            ("spanserve_requests_waiting", "requests queued for admission", s["waiting"]),
+            ("spanserve_segments_pinned", "segments pinned through /v1/segments or LLMEngine.pin", s["pinned_segments"]),
+            ("spanserve_kv_blocks_pinned", "KV blocks held by pinned segments", s["pinned_blocks"]),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
-        counters = dict(e.counters)
+        counters = s["counters"]
         reuse = CounterMetricFamily("spanserve_prompt_tokens_by_reuse",
                                     "prompt tokens of finished requests by how their KV was obtained",
                                     labels=["kind"])
@@ -61,32 +62,34 @@ class _EngineCollector(Collector):
             ("spanserve_engine_requests_finished", "requests_finished", "requests the engine finished"),
         ):
             yield CounterMetricFamily(name, doc, value=counters.get(key, 0))
-        yield from _decode_steps(e)
+        yield from _decode_steps(s["decode"])
 
 
-def _decode_steps(e: LLMEngine) -> Iterator[Metric]:
+def _decode_steps(by_batch: dict[Any, dict[str, Any]]) -> Iterator[Metric]:
     """Decode-only steps by batch size: count, wall seconds, KV tokens read (benchmarks/serving.py
     compares them with the bandwidth bound)."""
     fams = [CounterMetricFamily("spanserve_decode_steps", "decode-only engine steps", labels=["batch"]),
             CounterMetricFamily("spanserve_decode_step_seconds", "wall time of decode-only steps", labels=["batch"]),
             CounterMetricFamily("spanserve_decode_kv_tokens", "keys per layer read by decode-only steps",
                                 labels=["batch"])]
-    for batch, t in sorted(e.decode_stats.snapshot().items()):
-        for fam, value in zip(fams, (t.steps, t.seconds, t.kv_tokens)):
-            fam.add_metric([str(batch)], value)
+    for batch, t in sorted(by_batch.items(), key=lambda kv: int(kv[0])):
+        for fam, key in zip(fams, ("steps", "seconds", "kv_tokens")):
+            fam.add_metric([str(batch)], t[key])
     yield from fams
 
 
 class ServerMetrics:
-    """The registry plus the engine-thread observer that feeds its latency histograms."""
+    """The registry, and the observer of the engine client's outputs that feeds its latency
+    histograms (on the event loop's thread, in step order)."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self) -> None:
+        from spanserve.server.tier_metrics import TierCollector
+
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(engine))
-        if engine.tiers is not None:
-            from spanserve.server.tier_metrics import TierCollector
-
-            self.registry.register(TierCollector(engine.tiers, engine.counters))
+        self._engine = _EngineCollector()
+        self._tiers = TierCollector()
+        self.registry.register(self._engine)
+        self.registry.register(self._tiers)
         self.ttft = Histogram("spanserve_time_to_first_token_seconds", "arrival to first generated token",
                               buckets=_TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram("spanserve_inter_token_latency_seconds", "time between generated tokens",
@@ -98,7 +101,7 @@ class ServerMetrics:
         # request id -> (tokens seen, time of the last token, first output time); engine thread only
         self._seen: dict[str, tuple[int, float, float]] = {}
 
-    # ---- EngineObserver (engine thread) ---------------------------------------------------
+    # ---- EngineObserver (the client's outputs) --------------------------------------------
     def on_outputs(self, outputs: Sequence[RequestOutput], now: float) -> None:
         for out in outputs:
             n = len(out.token_ids)
@@ -128,5 +131,8 @@ class ServerMetrics:
         self.finished.labels(reason="abort").inc()
 
     # ---- scrape ---------------------------------------------------------------------------
-    def render(self) -> bytes:
+    def render(self, stats: dict[str, Any]) -> bytes:
+        """The page, with the engine's families from `stats` (the core's `stats` call)."""
+        self._engine.stats = stats
+        self._tiers.stats, self._tiers.counters = stats.get("tiers"), stats.get("counters", {})
         return generate_latest(self.registry)

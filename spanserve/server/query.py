@@ -2,7 +2,7 @@
 
 The Executor is synchronous: it plans a wave of generations, runs them, splices the results in
 and plans the next wave. It runs on a worker thread of its own, and its Runner hands each wave to
-the AsyncEngine on the event loop and blocks until the wave is done, so queries share the engine
+the engine client on the event loop and blocks until the wave is done, so queries share the engine
 (and its cache) with every other request instead of stopping it.
 
 A query's `model` fields are not checked: spnl clients name their backend there
@@ -20,7 +20,7 @@ from typing import Any
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response
 
-from spanserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloaded, EngineStepError,
+from spanserve.engine.client import (EngineClient, EngineDeadError, EngineOverloaded, EngineStepError,
                                            RequestSpec)
 from spanserve.engine.outputs import RequestOutput
 from spanserve.query import Node, QueryError, parse, to_obj
@@ -44,10 +44,10 @@ class _Cancelled(Exception):
     """The query's client went away; raised inside the executor to stop it between waves."""
 
 
-class AsyncEngineRunner:
+class EngineRunner:
     """A query's Runner: called on the query's worker thread, runs each wave on the event loop."""
 
-    def __init__(self, engine: AsyncEngine, loop: asyncio.AbstractEventLoop, query_id: str, namespace: str):
+    def __init__(self, engine: EngineClient, loop: asyncio.AbstractEventLoop, query_id: str, namespace: str):
         self.engine = engine
         self.loop = loop
         self.query_id = query_id
@@ -142,7 +142,7 @@ async def execute_query(ctx: ServingContext, body: bytes, http: HTTPRequest) -> 
     seed = _seed(http.query_params.get("seed"))
     query = parse_query(body)
     qid = new_id("chatcmpl")
-    runner = AsyncEngineRunner(ctx.engine, asyncio.get_running_loop(), qid, http.query_params.get("cache_salt", ""))
+    runner = EngineRunner(ctx.engine, asyncio.get_running_loop(), qid, http.query_params.get("cache_salt", ""))
     outcome = await _run(ctx, runner, query, policy, seed, http)
     root = [(p, o) for p, o in outcome.outputs.items() if "in" not in p]
     if not root:
@@ -160,7 +160,7 @@ async def execute_query(ctx: ServingContext, body: bytes, http: HTTPRequest) -> 
     return Response(resp.model_dump_json(), media_type="application/json")
 
 
-async def _run(ctx: ServingContext, runner: AsyncEngineRunner, query: Node, policy: str | None, seed: int,
+async def _run(ctx: ServingContext, runner: EngineRunner, query: Node, policy: str | None, seed: int,
                http: HTTPRequest) -> Outcome:
     def execute() -> Outcome:
         with ctx.borrowed_tokenizer() as tok:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from spanserve.engine.async_engine import EngineDeadError, EngineOverloaded
+from spanserve.engine.client import EngineDeadError, EngineOverloaded
 from spanserve.engine.layout import Segment
 from spanserve.query.ir import Assistant, Cross, Message, Node, Plus, System, User
 from spanserve.query.plan import Planner
@@ -123,6 +123,9 @@ async def pin_segments(ctx: ServingContext, req: PinRequest) -> PinResponse:
     try:
         async for out in stream:
             final = out
+    except ValueError as e:  # the engine core refused it: over the pin budget
+        raise bad_request(str(e), param="segments", code="pin_budget_exceeded"
+                          if "pin budget" in str(e) else None) from e
     except EngineDeadError as e:
         raise APIError(503, str(e), code="engine_unavailable") from e
     finally:
@@ -144,7 +147,7 @@ async def _decoded(ctx: ServingContext, ids: list[int]) -> str:
 
 async def unpin_segment(ctx: ServingContext, key: str, cache_salt: str | None) -> UnpinResponse:
     try:
-        found = await ctx.engine.call(lambda e: e.unpin(key, cache_salt or ""))
+        found = await ctx.engine.call("unpin", key, cache_salt or "")
     except EngineDeadError as e:
         raise APIError(503, str(e), code="engine_unavailable") from e
     if not found:

@@ -10,7 +10,7 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from spanserve.engine.async_engine import RequestStream
+from spanserve.engine.client import RequestStream
 from spanserve.engine.outputs import RequestOutput
 
 DONE = b"data: [DONE]\n\n"

@@ -1,5 +1,5 @@
-"""Prometheus families of the KV tiers below the pool, read at scrape time from the tiers'
-own counters (each tier's stats are copied under its lock, so a scrape sees a consistent set)."""
+"""Prometheus families of the KV tiers below the pool, from the tiers' own counters as the engine
+core copied them (each tier's under its lock, so a scrape sees a consistent set)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -9,7 +9,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from spanserve.cache.tiers.base import LOAD_BUCKETS
-from spanserve.cache.tiers.stack import TierStack
 
 _COUNTERS = (
     ("hits", "spanserve_kv_tier_hits", "blocks a tier gave back"),
@@ -26,12 +25,16 @@ _COUNTERS = (
 
 
 class TierCollector(Collector):
-    def __init__(self, stack: TierStack, counters: dict[str, int]):
-        self.stack = stack
-        self.counters = counters  # the engine's cumulative counters (tokens served per tier)
+    """Families read from the tiers' part of the engine core's stats snapshot (none without tiers)."""
+
+    def __init__(self) -> None:
+        self.stats: dict | None = None  # TierStack.stats(), as the core last sent it
+        self.counters: dict[str, int] = {}  # the engine's cumulative counters (tokens served per tier)
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.stack.stats()
+        stats = self.stats
+        if stats is None:
+            return
         per_tier = stats["tiers"]
         for field, name, doc in _COUNTERS:
             fam = CounterMetricFamily(name, doc, labels=["tier"])
@@ -48,7 +51,7 @@ class TierCollector(Collector):
         served = CounterMetricFamily("spanserve_prompt_tokens_by_tier",
                                      "prompt tokens of finished requests loaded from a tier below the pool",
                                      labels=["tier"])
-        counters = dict(self.counters)
+        counters = self.counters
         for tier in per_tier:
             served.add_metric([tier], counters.get(tier, 0))
         yield served

@@ -66,7 +66,7 @@ async def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> DetokenizeR
     ctx.check_model(req.model)
     if ctx.tokenizer is None:
         raise bad_request("this model has no tokenizer", param="tokens", code="no_tokenizer")
-    vocab = ctx.engine.engine.config.vocab_size
+    vocab = ctx.engine.info.vocab_size
     bad = [t for t in req.tokens if t >= vocab]
     if bad:
         raise bad_request(f"token id {bad[0]} is outside this model's vocabulary of {vocab}", param="tokens")

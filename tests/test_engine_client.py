@@ -1,4 +1,5 @@
-"""AsyncEngine in-process: streaming, errors before streaming, cancellation frees blocks, capacity."""
+"""The engine client over a core on a thread of this process: streaming, errors before streaming,
+cancellation frees blocks, capacity."""
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +10,9 @@ from typing import TypeVar
 import pytest
 
 from spanserve import LLM, SamplingParams
-from spanserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloaded, RequestSpec
+from spanserve.engine.client import EngineClient, EngineDeadError, EngineOverloaded, RequestSpec
 from spanserve.engine.engine import LLMEngine
+from spanserve.engine.inproc import inproc_client
 from test_server_harness import build_tiny_model
 
 T = TypeVar("T")
@@ -23,12 +25,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-async") / "tiny")
 
 
-def run(tiny: Path, body: Callable[[AsyncEngine], Awaitable[T]], **kw: object) -> T:
-    """Run body against a fresh, started AsyncEngine and shut it down afterwards."""
+def run(tiny: Path, body: Callable[[EngineClient], Awaitable[T]], **kw: object) -> T:
+    """Run body against a fresh, started client and shut it down afterwards."""
     engine = LLMEngine(str(tiny), num_blocks=NUM_BLOCKS, block_size=8)
 
     async def main() -> T:
-        aeng = AsyncEngine(engine, **kw)  # type: ignore[arg-type]
+        aeng = inproc_client(engine, **kw)  # type: ignore[arg-type]
         aeng.start()
         try:
             return await body(aeng)
@@ -38,12 +40,12 @@ def run(tiny: Path, body: Callable[[AsyncEngine], Awaitable[T]], **kw: object) -
     return asyncio.run(main())
 
 
-async def settled_free(aeng: AsyncEngine) -> int:
+async def settled_free(aeng: EngineClient) -> int:
     """Free blocks once the engine has no work left (aborts are processed between steps)."""
     for _ in range(200):
-        busy, free = await aeng.call(lambda e: (e.has_unfinished(), e.pool.num_free))
-        if not busy:
-            return free
+        stats = await aeng.call("stats")
+        if not stats["running"] and not stats["waiting"]:
+            return stats["blocks_free"]
         await asyncio.sleep(0.01)
     raise AssertionError("engine still busy")
 
@@ -51,7 +53,7 @@ async def settled_free(aeng: AsyncEngine) -> int:
 def test_generate_streams_progress_and_matches_offline(tiny: Path) -> None:
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
 
-    async def body(aeng: AsyncEngine) -> list[list[int]]:
+    async def body(aeng: EngineClient) -> list[list[int]]:
         return [list(o.token_ids) async for o in aeng.generate(PROMPT, params, "r1")]
 
     seen = run(tiny, body)
@@ -64,14 +66,14 @@ def test_generate_streams_progress_and_matches_offline(tiny: Path) -> None:
 def test_value_error_surfaces_before_streaming_and_batch_is_all_or_nothing(tiny: Path) -> None:
     ok = SamplingParams(max_tokens=4)
 
-    async def body(aeng: AsyncEngine) -> int:
+    async def body(aeng: EngineClient) -> int:
         with pytest.raises(ValueError, match="empty"):
             async for _ in aeng.generate([], ok, "empty"):
                 raise AssertionError("no output may come before the error")
         with pytest.raises(ValueError, match="out of range"):
             await aeng.add_requests([RequestSpec(PROMPT, ok, "good"), RequestSpec([10**9], ok, "bad")])
         # The good one was rolled back, so its id is free again and no work is left.
-        assert not await aeng.call(lambda e: e.has_unfinished())
+        assert aeng.num_pending == 0  # nothing was sent to the engine
         (stream,) = await aeng.add_requests([RequestSpec(PROMPT, ok, "good")])
         assert [o async for o in stream][-1].finished
         return await settled_free(aeng)
@@ -82,11 +84,11 @@ def test_value_error_surfaces_before_streaming_and_batch_is_all_or_nothing(tiny:
 def test_closing_the_consumer_aborts_and_frees_blocks(tiny: Path) -> None:
     long = SamplingParams(max_tokens=200, ignore_eos=True)
 
-    async def body(aeng: AsyncEngine) -> tuple[int, int]:
+    async def body(aeng: EngineClient) -> tuple[int, int]:
         gen = aeng.generate(PROMPT * 3, long, "closed")
         first = await gen.__anext__()
         assert not first.finished
-        assert await aeng.call(lambda e: e.pool.num_free) < NUM_BLOCKS
+        assert (await aeng.call("stats"))["blocks_free"] < NUM_BLOCKS
         await gen.aclose()
         after_close = await settled_free(aeng)
 
@@ -107,7 +109,7 @@ def test_closing_the_consumer_aborts_and_frees_blocks(tiny: Path) -> None:
 def test_capacity_limit_raises_overloaded(tiny: Path) -> None:
     params = SamplingParams(max_tokens=50, ignore_eos=True)
 
-    async def body(aeng: AsyncEngine) -> int:
+    async def body(aeng: EngineClient) -> int:
         streams = await aeng.add_requests([RequestSpec(PROMPT, params, f"r{i}") for i in range(2)])
         with pytest.raises(EngineOverloaded):
             await aeng.add_requests([RequestSpec(PROMPT, params, "r2")])
@@ -123,20 +125,20 @@ def test_capacity_limit_raises_overloaded(tiny: Path) -> None:
 
 
 def test_many_concurrent_consumers_all_finish(tiny: Path) -> None:
-    async def one(aeng: AsyncEngine, i: int) -> int:
+    async def one(aeng: EngineClient, i: int) -> int:
         outs = [o async for o in aeng.generate(f"{PROMPT} {i}", SamplingParams(max_tokens=8 + i, ignore_eos=True),
                                                f"c{i}")]
         assert outs[-1].finished and outs[-1].finish_reason == "length"
         return len(outs[-1].token_ids)
 
-    async def body(aeng: AsyncEngine) -> list[int]:
+    async def body(aeng: EngineClient) -> list[int]:
         return list(await asyncio.gather(*(one(aeng, i) for i in range(16))))
 
     assert run(tiny, body) == [8 + i for i in range(16)]
 
 
 def test_calls_after_shutdown_fail_cleanly(tiny: Path) -> None:
-    async def body(aeng: AsyncEngine) -> None:
+    async def body(aeng: EngineClient) -> None:
         await aeng.shutdown()
         assert not aeng.is_alive
         with pytest.raises(EngineDeadError):
