@@ -52,11 +52,12 @@ def cluster(model_dir: Path) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def single(model_dir: Path) -> Iterator[TestClient]:
+    from spanserve.engine.config import EngineConfig
     from spanserve.engine.engine import LLMEngine
     from spanserve.server.app import create_app
     from spanserve.server.context import ServerConfig
 
-    engine = LLMEngine(model=str(model_dir), **ENGINE)  # type: ignore[arg-type]
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE))  # resolved as a replica does
     with TestClient(create_app(engine, ServerConfig("tiny", str(model_dir)))) as c:
         yield c
 

@@ -29,12 +29,12 @@ def test_engine_options_reach_every_replica(monkeypatch: pytest.MonkeyPatch) -> 
                             "--engine-arg", "reposition=eager",
                             "--address", "auto")
     assert (opts.model, opts.replicas, address) == ("m", 3, "auto")
-    assert opts.engine["block_size"] == 8 and opts.block_size == 8
+    assert opts.engine["block_size"] == 8 and opts.engine_config().cache.block_size == 8
     assert opts.engine["num_blocks"] == 128  # literals are parsed, other text stays text
     assert opts.engine["kv_offload"] == {"store_url": "redis://h:6379/0"}
     assert opts.engine["reposition"] == "eager"
     local, address = _parsed(monkeypatch, "--model", "m")
-    assert address is None and local.replicas == 2 and local.replica_gpus == 0
+    assert address is None and local.replicas == 2 and local.replica_gpus is None  # None: by the device
 
 
 def test_bad_options_are_refused(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from spanserve import LLM, SamplingParams
 from spanserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloaded, RequestSpec
-from spanserve.engine.engine import LLMEngine
+from engine_helpers import make_engine
 from test_server_harness import build_tiny_model
 
 T = TypeVar("T")
@@ -25,7 +25,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run(tiny: Path, body: Callable[[AsyncEngine], Awaitable[T]], **kw: object) -> T:
     """Run body against a fresh, started AsyncEngine and shut it down afterwards."""
-    engine = LLMEngine(str(tiny), num_blocks=NUM_BLOCKS, block_size=8)
+    engine = make_engine(str(tiny), num_blocks=NUM_BLOCKS, block_size=8)
 
     async def main() -> T:
         aeng = AsyncEngine(engine, **kw)  # type: ignore[arg-type]

@@ -50,10 +50,11 @@ def serve_cluster(opts: ClusterOptions, address: str | None, host: str, port: in
                   object_store_bytes: int = 256 << 20) -> int:
     """Blocks until interrupted; the exit status (1 if the application never came up)."""
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if address is None:  # the replicas run here: a wrong model path is an error now, not in a log
+    if address is None:  # the replicas run here: a wrong model or option is an error now, not in a log
         from spanserve.model.loader import resolve_model
 
         resolve_model(opts.model)
+        log.info("replica runtime: %s", opts.engine_config().resolve().summary())
     start_ray(address, opts.replicas * opts.replica_cpus + 1, object_store_bytes)
     try:
         log.info("starting %d replicas of %s ...", opts.replicas, opts.model)
