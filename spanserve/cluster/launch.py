@@ -24,7 +24,8 @@ def start_ray(address: str | None, num_cpus: float, object_store_bytes: int) -> 
         ray.init(address=address, log_to_driver=False,
                  runtime_env={"py_modules": [str(Path(spanserve.__file__).parent)]})
         return
-    ray.init(num_cpus=max(1, int(num_cpus + 0.999)), object_store_memory=object_store_bytes,
+    # "local": a new instance even where `ray start` runs one on this machine (None would join it)
+    ray.init(address="local", num_cpus=max(1, int(num_cpus + 0.999)), object_store_memory=object_store_bytes,
              include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
 
 
