@@ -38,6 +38,7 @@ from spanserve.attention.plan import AttentionPlan  # noqa: E402
 from spanserve.attention.triton import TritonBackend  # noqa: E402
 from spanserve.attention.triton.launch import NUM_FIELDS, Launch, StepLayout, empty_launch  # noqa: E402
 from spanserve.attention.triton.graph_decode import StaticDecode  # noqa: E402
+from spanserve.engine.config import EngineConfig  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
 from spanserve.cache.claim import Task  # noqa: E402
@@ -150,8 +151,9 @@ def build(device: str, batch: int, ctx: int, spans: int, mode: str, clock: Clock
     model = random_model(cfg, "cpu", torch.float32)
     bs = 16
     blocks = batch * (ctx + 2048) // bs + 512
-    eng = LLMEngine(model, device=device, block_size=bs, num_blocks=blocks, backend=TritonBackend(),
-                    cuda_graphs="eager", max_num_batched_tokens=batch * ctx + 64, max_num_seqs=batch)
+    eng = LLMEngine(EngineConfig.from_kwargs(
+        model=model, device=device, dtype="float32", block_size=bs, num_blocks=blocks, backend=TritonBackend(),
+        cuda_graphs="eager", max_num_batched_tokens=batch * ctx + 64, max_num_seqs=batch))
     hidden = cfg.hidden_size
     states = [torch.zeros(b, hidden, device=device) for b in range(batch + 1)]
 

@@ -42,6 +42,7 @@ from common import format_table, llama3_8b_config, random_model, set_threads, we
 
 from spanserve.cache.storage import bytes_per_block  # noqa: E402
 from spanserve.engine.async_engine import AsyncEngine, RequestSpec  # noqa: E402
+from spanserve.engine.config import EngineConfig  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.sampling import SamplingParams  # noqa: E402
 
@@ -121,13 +122,16 @@ def make_engine(args: argparse.Namespace) -> LLMEngine:
     if args.gpu:
         model = random_model(llama3_8b_config(), "cuda", torch.bfloat16)
         kv = bytes_per_block(model.config, 16, torch.bfloat16) * (args.batch * (args.prompt_len + args.tokens) // 16 + 256)
-        return LLMEngine(model, device="cuda", dtype="bfloat16", backend="triton", max_num_seqs=args.batch,
-                         max_num_batched_tokens=max(2048, args.batch * args.prompt_len), kv_cache_memory=kv)
+        return LLMEngine(EngineConfig.from_kwargs(
+            model=model, device="cuda", dtype="bfloat16", backend="triton", max_num_seqs=args.batch,
+            max_num_batched_tokens=max(2048, args.batch * args.prompt_len), kv_cache_memory=kv))
     from tiny_models import make_tiny_model
 
     path, _ = make_tiny_model("llama", Path(tempfile.mkdtemp(prefix="decode-step-host-")))
-    return LLMEngine(str(path), num_blocks=args.batch * (-(-(args.prompt_len + args.tokens) // 16) + 1) + 64,
-                     max_num_seqs=args.batch, max_num_batched_tokens=args.batch * args.prompt_len)
+    return LLMEngine(EngineConfig.from_kwargs(
+        model=str(path), device="cpu", dtype="float32",
+        num_blocks=args.batch * (-(-(args.prompt_len + args.tokens) // 16) + 1) + 64,
+        max_num_seqs=args.batch, max_num_batched_tokens=args.batch * args.prompt_len))
 
 
 def prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import format_table, llama3_8b_config, median, random_model, write_json  # noqa: E402
 
 from spanserve import LLM, SamplingParams, Segment  # noqa: E402
+from spanserve.engine.config import EngineConfig  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.model.config import ModelConfig  # noqa: E402
 
@@ -96,7 +97,8 @@ def check_8b(model, rows: list) -> None:
     lays = layouts(gen, 128000, doc)
     logits = {}
     for name, be in [("reference", None), ("triton", TritonBackend()), ("triton-eager-ops", TritonBackend())]:
-        eng = LLMEngine(model, device=DEV, dtype="bfloat16", num_blocks=2048, backend=be)
+        eng = LLMEngine(EngineConfig.from_kwargs(model=model, device=DEV, dtype="bfloat16", num_blocks=2048,
+                                                 backend=be))
         if name == "triton-eager-ops":
             from spanserve.model.llama import _Eager
             eng.model.ops = _Eager
@@ -134,7 +136,8 @@ def check_graphs(model, rows: list) -> None:
     toks, first = {}, {}
     for name, graphs in (("graphs", "auto"), ("eager", False), ("reference", False)):
         be = None if name == "reference" else TritonBackend()
-        eng = LLMEngine(model, device=DEV, dtype="bfloat16", num_blocks=1024, backend=be, cuda_graphs=graphs)
+        eng = LLMEngine(EngineConfig.from_kwargs(model=model, device=DEV, dtype="bfloat16", num_blocks=1024,
+                                                 backend=be, cuda_graphs=graphs))
         reqs = [eng.add_request(p, params) for p in lays]
         while eng.has_unfinished():
             eng.step()
@@ -191,8 +194,9 @@ def itl_loop(eng: LLMEngine, prompt: list[int], steps: int) -> tuple[float, list
 
 def prefill_and_decode(model, n_prefill: int, steps: int, peak_tflops: float, bw: float, rows: list) -> dict:
     c = model.config
-    eng = LLMEngine(model, device=DEV, dtype="bfloat16", max_num_batched_tokens=n_prefill + 16,
-                    num_blocks=(n_prefill // 16) * 3 + 64, backend=TritonBackend())
+    eng = LLMEngine(EngineConfig.from_kwargs(model=model, device=DEV, dtype="bfloat16",
+                                             max_num_batched_tokens=n_prefill + 16,
+                                             num_blocks=(n_prefill // 16) * 3 + 64, backend=TritonBackend()))
     gen = torch.Generator().manual_seed(2)
     times = []
     for i in range(3):
@@ -228,8 +232,9 @@ def long_decode(model, n_ctx: int, steps: int, rows: list) -> dict:
     token lists come from a cold run: a repeated prompt hits the prefix cache, and its last
     position, recomputed in a one-token step, rounds differently from the long prefill's."""
     def engine(split: int | None, graphs: bool = True) -> LLMEngine:
-        return LLMEngine(model, device=DEV, dtype="bfloat16", max_num_batched_tokens=n_ctx + 16,
-                         num_blocks=n_ctx // 16 + 64, backend=TritonBackend(split_programs=split), cuda_graphs=graphs)
+        return LLMEngine(EngineConfig.from_kwargs(
+            model=model, device=DEV, dtype="bfloat16", max_num_batched_tokens=n_ctx + 16,
+            num_blocks=n_ctx // 16 + 64, backend=TritonBackend(split_programs=split), cuda_graphs=graphs))
 
     engines = {"split": engine(None), "unsplit": engine(0)}
     gen = torch.Generator().manual_seed(5)

@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import llama3_8b_config, median, random_model, write_json  # noqa: E402
 
+from spanserve.engine.config import EngineConfig  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.sampling import SamplingParams  # noqa: E402
 
@@ -48,8 +49,8 @@ def main() -> None:
     res: dict = {}
     model = random_model(llama3_8b_config(), "cuda", torch.bfloat16)
     n = args.prefill
-    eng = LLMEngine(model, device="cuda", dtype="bfloat16", max_num_batched_tokens=n + 16,
-                    num_blocks=(n // 16) * 3 + 64, backend=TritonBackend())
+    eng = LLMEngine(EngineConfig.from_kwargs(model=model, device="cuda", dtype="bfloat16", max_num_batched_tokens=n + 16,
+                                             num_blocks=(n // 16) * 3 + 64, backend=TritonBackend()))
     gen = torch.Generator().manual_seed(2)
     toks = lambda k: torch.randint(3, 128000, (k,), generator=gen).tolist()  # noqa: E731
     for _ in range(2):  # compile + warm

@@ -37,6 +37,7 @@ from gpu_profile import kernel_table  # noqa: E402
 from spanserve.attention.triton import TritonBackend  # noqa: E402
 from spanserve.cache import manager as manager_mod  # noqa: E402
 from spanserve.engine import runner as runner_mod  # noqa: E402
+from spanserve.engine.config import EngineConfig  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
 from spanserve.engine.sampling import SamplingParams  # noqa: E402
@@ -146,8 +147,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     docs = [random_tokens(gen, args.doc_len, vocab) for _ in range(args.n)]
     blocks = 3 * args.n * -(-args.doc_len // 16) + 4096
-    eng = LLMEngine(model, device=dev, dtype=str(dtype).removeprefix("torch."), num_blocks=blocks, pin_fraction=0.9,
-                    max_num_batched_tokens=16384, backend=TritonBackend())
+    eng = LLMEngine(EngineConfig.from_kwargs(model=model, device=dev, dtype=dtype, num_blocks=blocks,
+                                             pin_fraction=0.9, max_num_batched_tokens=16384, backend=TritonBackend()))
     eng.pin([Segment(token_ids=d, kind="plus", key=f"d{i}") for i, d in enumerate(docs)])
     while eng.has_unfinished():
         eng.step()

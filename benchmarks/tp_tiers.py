@@ -31,6 +31,7 @@ from common import format_table, llama3_8b_config, median, random_tokens, write_
 
 from spanserve.cache.tiers.payload import BlockKV  # noqa: E402
 from spanserve.distributed import RandomWeights  # noqa: E402
+from spanserve.engine.config import EngineConfig  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
 from spanserve.engine.sampling import SamplingParams  # noqa: E402
@@ -70,12 +71,13 @@ class Bench:
 
             extra["backend"] = TritonBackend()
         t0 = time.perf_counter()
-        self.eng = LLMEngine(RandomWeights(cfg, seed=args.seed), device="cuda" if self.cuda else "cpu",
-                             dtype="float32" if args.dry else "bfloat16", block_size=BS, num_blocks=2 * request + 16,
-                             max_num_batched_tokens=args.docs * args.doc_len + args.question_len + 32, max_num_seqs=2,
-                             tensor_parallel_size=tp, kv_offload={
-                                 "cpu_bytes": (self.doc_blocks + 64) * kv_bytes, "disk_path": disk,
-                                 "disk_bytes": 2 * (self.doc_blocks + 64) * kv_bytes}, **extra)
+        self.eng = LLMEngine(EngineConfig.from_kwargs(
+            model=RandomWeights(cfg, seed=args.seed), device="cuda" if self.cuda else "cpu",
+            dtype="float32" if args.dry else "bfloat16", block_size=BS, num_blocks=2 * request + 16,
+            max_num_batched_tokens=args.docs * args.doc_len + args.question_len + 32, max_num_seqs=2,
+            tensor_parallel_size=tp, kv_offload={
+                "cpu_bytes": (self.doc_blocks + 64) * kv_bytes, "disk_path": disk,
+                "disk_bytes": 2 * (self.doc_blocks + 64) * kv_bytes}, **extra))
         print(f"TP={tp}: engine up in {time.perf_counter() - t0:.1f} s", flush=True)
         gen = torch.Generator().manual_seed(0)
         v = cfg.vocab_size

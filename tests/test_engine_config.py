@@ -60,7 +60,8 @@ def test_keywords_land_in_their_parts_and_old_spellings_are_read() -> None:
     cfg = EngineConfig.from_kwargs(model="m", block_size=8, max_num_seqs=4, tensor_parallel_size=2, overlap=False,
                                    dtype=torch.bfloat16, fused_ops=None, backend=None,
                                    kv_offload=OffloadConfig(cpu_bytes=1 << 20), sink_prefix=[1, 2])
-    assert (cfg.model.source, cfg.model.dtype, cfg.cache.block_size, cfg.scheduler.max_num_seqs) == ("m", "bfloat16", 8, 4)
+    assert (cfg.model.source, cfg.model.dtype) == ("m", "bfloat16")
+    assert (cfg.cache.block_size, cfg.scheduler.max_num_seqs) == (8, 4)
     assert (cfg.parallel.tensor_parallel_size, cfg.runtime.overlap) == (2, False)
     assert (cfg.runtime.fused_ops, cfg.runtime.backend, cfg.cache.sink_prefix) == ("auto", "auto", (1, 2))
     assert cfg.cache.kv_offload == asdict(OffloadConfig(cpu_bytes=1 << 20))
@@ -75,7 +76,8 @@ def test_keywords_land_in_their_parts_and_old_spellings_are_read() -> None:
     ({"block_size": 0}, "block_size must be an integer >= 1, got 0"),
     ({"block_size": "8"}, "block_size must be an integer >= 1, got '8'"),
     ({"num_blocks": 1}, "a KV pool needs at least 2 blocks"),
-    ({"kv_cache_memory": "64MiB"}, "kv_cache_memory must be an integer >= 1, got '64MiB'; give the KV pool's size in bytes"),
+    ({"kv_cache_memory": "64MiB"}, "kv_cache_memory must be an integer >= 1, got '64MiB'; give the KV pool's size "
+                                   "in bytes"),
     ({"pin_fraction": 1.5}, r"pin_fraction must be a number in \[0, 1\]"),
     ({"reposition": "lazy"}, "reposition 'lazy' is not one of deferred, eager"),
     ({"kv_offload": {"cpu": "1GiB"}}, "unknown kv_offload settings"),
