@@ -189,8 +189,8 @@ def backend_kind(backend: AttentionBackend) -> str:
 
 def _normalized(key: str, value: Any) -> Any:
     """The spellings older call sites use, in the config's own terms."""
-    if key == "dtype" and not isinstance(value, str):
-        return str(value).removeprefix("torch.")  # a torch.dtype
+    if key == "dtype":
+        return str(value).removeprefix("torch.")  # a torch.dtype, or its name
     if key == "backend" and value is None:
         return "auto"
     if key == "fused_ops" and (value is None or isinstance(value, bool)):
