@@ -24,6 +24,7 @@ import torch
 
 from common import format_table, llama3_8b_config, median, random_model, tiny_llama_config, write_json
 from spanserve import SamplingParams
+from spanserve.engine.config import EngineConfig
 from spanserve.engine.engine import LLMEngine
 from spanserve.model.loader import LoadedModel
 
@@ -45,7 +46,8 @@ class Bench:
         if not self.dry:
             from spanserve.attention.triton import TritonBackend
             backend = TritonBackend(split_programs=split)
-        return LLMEngine(self.model, device=self.dev, dtype="bfloat16", backend=backend, **kw)
+        return LLMEngine(EngineConfig.from_kwargs(model=self.model, device=self.dev, dtype="bfloat16", backend=backend,
+                                                 **kw))
 
     def free(self, eng: LLMEngine) -> None:
         """Shut an engine down and give its memory back before the next one is built."""

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import format_table, llama3_8b_config, median, random_model, random_tokens, save_figure, write_json  # noqa: E402
 
 from spanserve.cache.tiers.payload import BlockKV  # noqa: E402
+from spanserve.engine.config import EngineConfig  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
 from spanserve.engine.params import SamplingParams  # noqa: E402
@@ -103,9 +104,9 @@ class Bench:
 
             extra["backend"] = TritonBackend()
         longest = args.n * args.doc_len + args.question_len + 16
-        self.eng = LLMEngine(model, device=device, dtype=dtype, block_size=BS,
-                             num_blocks=2 * request_blocks + 16, max_num_batched_tokens=longest + 16,
-                             max_num_seqs=2, kv_offload=offload, **extra)
+        self.eng = LLMEngine(EngineConfig.from_kwargs(
+            model=model, device=device, dtype=dtype, block_size=BS, num_blocks=2 * request_blocks + 16,
+            max_num_batched_tokens=longest + 16, max_num_seqs=2, kv_offload=offload, **extra))
         self.device = torch.device(device)
         gen = torch.Generator().manual_seed(0)
         v = c.vocab_size

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from common import format_table, llama3_8b_config, median, random_tokens, tiny_llama_config, write_json  # noqa: E402
 
+from spanserve.engine.config import EngineConfig  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
 from spanserve.engine.params import SamplingParams  # noqa: E402
@@ -64,10 +65,11 @@ class Run:
 
     def engine(self, config: ModelConfig, v: "Variant", **kw: Any) -> LLMEngine:
         t0 = time.perf_counter()
-        eng = LLMEngine(RandomWeights(config, seed=self.args.seed), device=self.dev, dtype=self.dtype,
-                        backend=self.backend(v), tensor_parallel_size=v.tp, emulate_tp=v.emulate,
-                        tp_float32_reduce=v.float32_reduce, overlap=v.overlap, tp_peer_sum=v.peer_sum,
-                        cuda_graphs=not self.args.no_graphs and "auto", **kw)
+        eng = LLMEngine(EngineConfig.from_kwargs(
+            model=RandomWeights(config, seed=self.args.seed), device=self.dev, dtype=self.dtype,
+            backend=self.backend(v), tensor_parallel_size=v.tp, emulate_tp=v.emulate,
+            tp_float32_reduce=v.float32_reduce, overlap=v.overlap, tp_peer_sum=v.peer_sum,
+            cuda_graphs=not self.args.no_graphs and "auto", **kw))
         print(f"{v.name}: engine up in {time.perf_counter() - t0:.1f} s", flush=True)
         return eng
 

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spanserve.engine.config import EngineConfig
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -22,8 +26,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=_size, default=None,
                    help="bytes for the KV pool, e.g. 1073741824, 512MiB or 2GB (default: 1 GiB on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + generated tokens")
+    p.add_argument("--default-policy", default="none", choices=["none", "full"],
+                   help="recomputation policy for span layouts that name none (full = read everything causally)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many processes (GPUs 0..N-1 on cuda, gloo on cpu)")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other engine option, as LLM(...) names it, e.g. num_blocks=512 (repeatable)")
     t = p.add_argument_group("KV tiers below the pool (off by default; see docs/tiers.md)")
     t.add_argument("--kv-offload-cpu", type=_size, default=0, metavar="SIZE",
                    help="host memory for evicted KV blocks, e.g. 8GiB")
@@ -61,40 +70,42 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
-def _runtime_args(args: argparse.Namespace) -> dict:
-    """The device/dtype/backend options, named as ServeOptions and LLM name them."""
-    return {"device": args.device, "dtype": args.dtype, "backend": args.attention_backend,
-            "enforce_eager": args.enforce_eager, "fused_ops": args.fused_ops}
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration the flags ask for (checked, not yet resolved), for every command."""
+    from spanserve.engine.config import EngineConfig
+
+    config = EngineConfig.from_kwargs(
+        model=args.model, device=args.device, dtype=args.dtype, backend=args.attention_backend,
+        enforce_eager=args.enforce_eager, fused_ops=args.fused_ops, overlap=False if args.no_overlap else None,
+        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, default_policy=args.default_policy,
+        tensor_parallel_size=args.tensor_parallel_size, kv_offload=_offload(args))
+    extra = {}
+    for item in args.engine_arg:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--engine-arg takes KEY=VALUE, got {item!r}")
+        extra[key.strip().replace("-", "_")] = _literal(value)
+    return config.updated(**extra).check()
 
 
 def _serve(args: argparse.Namespace) -> int:
     from spanserve.server.launch import ServeOptions, serve
 
     return serve(ServeOptions(
-        model=args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
-        **_runtime_args(args), kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, default_policy=args.default_policy,
-        max_queued_requests=args.max_queued_requests, log_level=args.log_level,
-        tensor_parallel_size=args.tensor_parallel_size, overlap=not args.no_overlap, api_key=args.api_key,
-        auth_all_routes=args.auth_all_routes, strict_params=args.strict_params, kv_offload=_offload(args)))
+        engine=engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
+        max_queued_requests=args.max_queued_requests, log_level=args.log_level, api_key=args.api_key,
+        auth_all_routes=args.auth_all_routes, strict_params=args.strict_params))
 
 
 def _serve_cluster(args: argparse.Namespace) -> int:
     from spanserve.cluster.app import ClusterOptions
     from spanserve.cluster.launch import serve_cluster
 
-    engine = {"device": args.device, "dtype": args.dtype, "block_size": args.block_size,
-              "kv_cache_memory": args.kv_cache_memory, "max_num_seqs": args.max_num_seqs,
-              "max_model_len": args.max_model_len, "default_policy": args.default_policy}
-    for item in args.engine_arg:  # anything else LLMEngine takes, forwarded to every replica
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--engine-arg takes KEY=VALUE, got {item!r}")
-        engine[key.replace("-", "_")] = _literal(value)
-    opts = ClusterOptions(model=args.model, replicas=args.replicas, engine=engine,
+    engine = engine_config(args).to_kwargs()
+    opts = ClusterOptions(model=engine.pop("model"), replicas=args.replicas, engine=engine,
                           served_model_name=args.served_model_name, replica_cpus=args.replica_cpus,
-                          replica_gpus=args.replica_gpus,
-                          max_queued_requests=args.max_queued_requests)
+                          replica_gpus=args.replica_gpus, max_queued_requests=args.max_queued_requests)
     return serve_cluster(opts, None if args.address in (None, "local") else args.address, args.host, args.port)
 
 
@@ -110,10 +121,7 @@ def _literal(text: str) -> object:
 def _generate(args: argparse.Namespace) -> int:
     from spanserve import LLM, SamplingParams
 
-    llm = LLM(args.model, **_runtime_args(args), block_size=args.block_size,
-              kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-              tensor_parallel_size=args.tensor_parallel_size, kv_offload=_offload(args),
-              overlap=False if args.no_overlap else None)
+    llm = LLM(**engine_config(args).to_kwargs())
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
@@ -124,7 +132,7 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spanserve", description="LLM engine with position-independent KV reuse")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a completion for one prompt")
@@ -141,9 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None,
                    help="model name clients send (default: smollm2, or the model path's basename)")
-    s.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + generated tokens")
-    s.add_argument("--default-policy", default="none", choices=["none", "full"],
-                   help="recomputation policy for span layouts that name none (full = read everything causally)")
     s.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests that may wait beyond --max-num-seqs before new ones get 429")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -160,17 +165,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="Ray cluster to join: auto (started with `ray start` here) or ray://host:10001; "
                         "default: start a private one on this machine")
     c.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
-    c.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica (with --device cuda)")
-    c.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="another LLMEngine option for every replica (repeatable)")
+    c.add_argument("--replica-gpus", type=float, default=None,
+                   help="Ray GPUs per replica (default: one per tensor-parallel rank when the engine runs on "
+                        "CUDA, else 0)")
     c.add_argument("--host", default="127.0.0.1")
     c.add_argument("--port", type=int, default=8000)
     c.add_argument("--served-model-name", default=None)
-    c.add_argument("--max-model-len", type=int, default=None)
-    c.add_argument("--default-policy", default="none", choices=["none", "full"])
     c.add_argument("--max-queued-requests", type=int, default=1024)
     c.set_defaults(func=_serve_cluster)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ValueError as e:

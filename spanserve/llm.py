@@ -5,11 +5,12 @@ import logging
 from typing import Any, Sequence
 
 from spanserve.attention.backend import AttentionBackend
+from spanserve.engine.config import EngineConfig
 from spanserve.engine.engine import LLMEngine
 from spanserve.engine.layout import Segment
 from spanserve.engine.outputs import RequestOutput
 from spanserve.engine.params import SamplingParams
-from spanserve.engine.runtime import Runtime, RuntimeRequest, detect_platform, resolve_runtime
+from spanserve.engine.runtime import Runtime
 from spanserve.reuse.policies import Policy
 
 Prompt = str | list[int] | list[Segment]
@@ -23,17 +24,19 @@ class LLM:
         """device, dtype, backend ("auto", "triton", "reference" or a backend object) and
         fused_ops ("auto", "on", "off") default to the fastest choice for the machine: on a GPU
         CUDA, bfloat16, Triton attention, CUDA graphs (enforce_eager=True turns them off) and
-        fused elementwise kernels; on a CPU float32 and the reference backend."""
-        obj = backend if isinstance(backend, AttentionBackend) else None
-        name = "auto" if backend is None else backend if obj is None else _backend_name(obj)
-        self.runtime: Runtime = resolve_runtime(
-            RuntimeRequest(str(device), str(dtype).removeprefix("torch."), str(name), enforce_eager, fused_ops),
-            detect_platform(model))
-        log.info("runtime: %s", self.runtime.summary())
-        args = {**self.runtime.engine_args(), **engine_args}
-        if obj is not None:
-            args["backend"] = obj
-        self.engine = LLMEngine(model=model, block_size=block_size, **args)
+        fused elementwise kernels; on a CPU float32 and the reference backend. Every other
+        EngineConfig option (num_blocks, kv_cache_memory, max_num_seqs, tensor_parallel_size, ...)
+        is a keyword argument too."""
+        config = EngineConfig.from_kwargs(model=model, device=device, dtype=dtype, block_size=block_size,
+                                          backend=backend, enforce_eager=enforce_eager, fused_ops=fused_ops,
+                                          **engine_args).resolve()
+        log.info("runtime: %s", config.summary())
+        self.engine = LLMEngine(config)
+
+    @property
+    def runtime(self) -> Runtime:
+        """The device, dtype, backend, CUDA graphs and fused ops in use, and why each was chosen."""
+        return self.engine.engine_config.choices()
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker processes (also done at interpreter exit) and finish writes
@@ -102,8 +105,3 @@ class LLM:
         texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
         return self.generate([self.engine.encode(t) for t in texts], params, namespace=namespace)
 
-
-def _backend_name(backend: AttentionBackend) -> str:
-    from spanserve.attention.reference import ReferenceBackend
-
-    return "reference" if isinstance(backend, ReferenceBackend) else "triton"

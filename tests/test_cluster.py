@@ -1,10 +1,15 @@
 """Replicas behind the segment-aware router on a local Ray Serve instance (tiny random model):
-requests sharing documents in any order meet their KV on one replica, answers equal a single
-server's, and a replica killed mid-request is survived and restarted. One Ray instance for the
-module: Ray is heavy on a small machine."""
+the `spanserve serve-cluster` command with default engine flags serves a chat request; requests
+sharing documents in any order meet their KV on one replica, answers equal a single server's,
+and a replica killed mid-request is survived and restarted. One Ray instance at a time: Ray is
+heavy on a small machine."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -36,6 +41,66 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def _group(pgid: int) -> list[int]:
+    """The processes still in process group `pgid`: a command and everything it started (Ray
+    makes its driver a group leader and starts its own processes in that group)."""
+    alive = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getpgid(int(d.name)) == pgid:
+                    alive.append(int(d.name))
+            except ProcessLookupError:
+                pass
+    return alive
+
+
+def _serving(c: httpx.Client, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert proc.poll() is None, f"serve-cluster exited with {proc.returncode}"
+        try:
+            if c.get("/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1.0)
+    raise AssertionError(f"serve-cluster did not answer /health within {timeout:.0f} s")
+
+
+def test_the_serve_cluster_command_with_default_engine_flags_serves_chat(model_dir: Path, tmp_path: Path) -> None:
+    """The command as the README gives it, run as a process (first in this module: before the
+    module's own Ray instance starts). Every engine option is left at its default (auto device,
+    dtype and backend), except the KV pool's size, kept small for a quick start."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    log = tmp_path / "serve-cluster.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "spanserve.cli", "serve-cluster", "--replicas", "2",
+                                 "--model", str(model_dir), "--port", str(port), "--kv-cache-memory", "16MiB"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
+            _serving(c, proc, timeout=300)
+            r = c.post("/v1/chat/completions", json={"model": model_dir.name, "max_tokens": 4,
+                                                    "messages": [{"role": "user", "content": "hello world"}]})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["role"] == "assistant"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130  # stopped by Ctrl-C, after stopping Ray
+        _wait(lambda: not _group(proc.pid), 60, "Ray's processes to exit")
+    except BaseException:
+        print(log.read_text(errors="replace")[-6000:])
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        if _group(proc.pid):  # whatever is left of Ray, by the group the command leads
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path) -> Iterator[httpx.Client]:
     port = _free_port()
@@ -52,11 +117,12 @@ def cluster(model_dir: Path) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def single(model_dir: Path) -> Iterator[TestClient]:
+    from spanserve.engine.config import EngineConfig
     from spanserve.engine.engine import LLMEngine
     from spanserve.server.app import create_app
     from spanserve.server.context import ServerConfig
 
-    engine = LLMEngine(model=str(model_dir), **ENGINE)  # type: ignore[arg-type]
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), **ENGINE))  # resolved as a replica does
     with TestClient(create_app(engine, ServerConfig("tiny", str(model_dir)))) as c:
         yield c
 

@@ -10,6 +10,7 @@ from spanserve.cluster import routing
 from spanserve.cluster.keys import KeyMaker, load_tokenizer
 from spanserve.engine.engine import LLMEngine
 from spanserve.engine.layout import Segment
+from engine_helpers import make_engine
 from tiny_models import make_tiny_model
 
 BS = 8
@@ -18,7 +19,7 @@ BS = 8
 @pytest.fixture(scope="module")
 def engine_and_keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[LLMEngine, KeyMaker]:
     path, _ = make_tiny_model("llama", tmp_path_factory.mktemp("keys"))
-    engine = LLMEngine(model=str(path), block_size=BS, num_blocks=64)
+    engine = make_engine(model=str(path), block_size=BS, num_blocks=64)
     return engine, KeyMaker(load_tokenizer(str(path)), BS)
 
 

@@ -26,6 +26,7 @@ from spanserve.engine.layout import Segment  # noqa: E402
 from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.engine.scheduler import Chunk  # noqa: E402
 from spanserve.worker.runner import device_plan  # noqa: E402
+from engine_helpers import make_engine  # noqa: E402
 
 SMALL = LaunchConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
@@ -59,9 +60,9 @@ def test_fixed_buffer_decode_matches_eager_reference(tmp_path, split: int) -> No
     path, _ = make_tiny_model("llama", tmp_path)
     gen = torch.Generator().manual_seed(0)
     prompts = _prompts(gen, 384)
-    ref = LLMEngine(str(path), block_size=8, num_blocks=128, backend=ReferenceBackend())
+    ref = make_engine(str(path), block_size=8, num_blocks=128, backend=ReferenceBackend())
     backend = TritonBackend(SMALL, LaunchConfig(16, 8, 4, 1) if split else SMALL, split_programs=split)
-    fixed = LLMEngine(str(path), block_size=8, num_blocks=128, backend=backend, cuda_graphs="eager")
+    fixed = make_engine(str(path), block_size=8, num_blocks=128, backend=backend, cuda_graphs="eager")
     graphs = fixed.executor.graphs
     assert graphs is not None and not graphs.capture
     graphs.capacity = 64  # small, so the buffers must grow while the rows get longer
@@ -78,8 +79,8 @@ def test_fixed_buffer_decode_matches_eager_reference(tmp_path, split: int) -> No
 
 def test_eager_engine_has_no_graphs_on_cpu(tmp_path) -> None:
     path, _ = make_tiny_model("llama", tmp_path)
-    assert LLMEngine(str(path), num_blocks=32, backend=TritonBackend()).executor.graphs is None
-    assert LLMEngine(str(path), num_blocks=32, backend=TritonBackend(), cuda_graphs=False).executor.graphs is None
+    assert make_engine(str(path), num_blocks=32, backend=TritonBackend()).executor.graphs is None
+    assert make_engine(str(path), num_blocks=32, backend=TritonBackend(), cuda_graphs=False).executor.graphs is None
 
 
 @pytest.mark.parametrize("split", [0, 64])
@@ -92,8 +93,8 @@ def test_lean_decode_matches_eager_general_path(tmp_path, split: int) -> None:
     prompts = _prompts(gen, 384)[1:3] + [torch.randint(3, 384, (37,), generator=gen).tolist()]
     backend = lambda: TritonBackend(SMALL, LaunchConfig(16, 8, 4, 1) if split else SMALL,  # noqa: E731
                                     split_programs=split)
-    eager = LLMEngine(str(path), block_size=8, num_blocks=128, backend=backend(), cuda_graphs=False)
-    lean = LLMEngine(str(path), block_size=8, num_blocks=128, backend=backend(), cuda_graphs="eager")
+    eager = make_engine(str(path), block_size=8, num_blocks=128, backend=backend(), cuda_graphs=False)
+    lean = make_engine(str(path), block_size=8, num_blocks=128, backend=backend(), cuda_graphs="eager")
     graphs = lean.executor.graphs
     graphs.capacity = 16
     graphs.max_batch = 2  # batch 3 runs eagerly

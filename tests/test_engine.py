@@ -7,6 +7,8 @@ from spanserve import LLM, SamplingParams
 from spanserve.engine.batch import prepare
 from spanserve.engine.engine import LLMEngine
 from spanserve.model.loader import load_model
+from engine_helpers import make_engine
+from tiny_models import ARCHS, make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -35,7 +37,7 @@ def _engine_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("arch", list(ARCHS) + ["llama-tied"])
 def test_logits_match_transformers(tiny, arch):
     path, hf = tiny[arch]
-    engine = LLMEngine(str(path), block_size=4, num_blocks=64)
+    engine = make_engine(str(path), block_size=4, num_blocks=64)
     for prompt in _prompts(hf.config.vocab_size, [1, 7, 33]):
         ours = _engine_logits(engine, prompt)
         with torch.no_grad():
@@ -121,7 +123,7 @@ def test_stop_strings_stop_ids_and_logprobs(tiny):
 
 def test_abort_frees_blocks(tiny):
     path, _ = tiny["llama"]
-    engine = LLMEngine(str(path), block_size=4, num_blocks=64)
+    engine = make_engine(str(path), block_size=4, num_blocks=64)
     for i, p in enumerate(_prompts(300, [10, 20, 30])):
         engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True), request_id=f"r{i}")
     engine.step()

@@ -11,8 +11,8 @@ import pytest
 
 from spanserve import LLM, SamplingParams
 from spanserve.engine.client import EngineClient, EngineDeadError, EngineOverloaded, RequestSpec
-from spanserve.engine.engine import LLMEngine
 from spanserve.engine.inproc import inproc_client
+from engine_helpers import make_engine
 from test_server_harness import build_tiny_model
 
 T = TypeVar("T")
@@ -27,7 +27,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run(tiny: Path, body: Callable[[EngineClient], Awaitable[T]], **kw: object) -> T:
     """Run body against a fresh, started client and shut it down afterwards."""
-    engine = LLMEngine(str(tiny), num_blocks=NUM_BLOCKS, block_size=8)
+    engine = make_engine(str(tiny), num_blocks=NUM_BLOCKS, block_size=8)
 
     async def main() -> T:
         aeng = inproc_client(engine, **kw)  # type: ignore[arg-type]

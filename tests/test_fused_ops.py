@@ -218,10 +218,10 @@ def test_bad_inputs() -> None:
 def test_model_with_fused_ops_matches_eager(arch: str, tmp_path) -> None:
     """The whole forward with the fused kernels (qwen3: per-head q/k norms on strided views) gives
     the eager model's logits on span layouts, cold and warm."""
+    from engine_helpers import make_engine
     from span_helpers import capture_logits, run_all
     from tiny_models import make_tiny_model
 
-    from spanserve.engine.engine import LLMEngine
     from spanserve.engine.layout import Segment
     from spanserve.model.llama import _Eager
 
@@ -234,7 +234,7 @@ def test_model_with_fused_ops_matches_eager(arch: str, tmp_path) -> None:
                 Segment(token_ids=t(6))]]
     logits = {}
     for name in ("eager", "fused"):
-        eng = LLMEngine(str(path), block_size=8, num_blocks=64)
+        eng = make_engine(str(path), block_size=8, num_blocks=64)
         assert eng.model.ops is _Eager  # CPU default
         if name == "fused":
             eng.model.ops = fused

@@ -16,14 +16,15 @@ from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
 from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.worker.host_tokens import HostTokens  # noqa: E402
+from engine_helpers import make_engine  # noqa: E402
 
 SMALL = LaunchConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 N_BLOCKS = 96
 
 
 def _engine(path, overlap: bool) -> LLMEngine:
-    eng = LLMEngine(str(path), block_size=8, num_blocks=N_BLOCKS, backend=TritonBackend(SMALL),
-                    cuda_graphs="eager", overlap=overlap)
+    eng = make_engine(str(path), block_size=8, num_blocks=N_BLOCKS, backend=TritonBackend(SMALL),
+                      cuda_graphs="eager", overlap=overlap)
     assert eng.overlap is overlap
     return eng
 
@@ -124,8 +125,8 @@ def test_chained_decode_under_tensor_parallelism(tmp_path) -> None:
              SamplingParams(max_tokens=m, temperature=t, seed=5, ignore_eos=True))
             for n, m, t in ((9, 10, 0.0), (14, 7, 0.8), (5, 12, 0.0))]
     plain = _engine(path, False)
-    two = LLMEngine(str(path), block_size=8, num_blocks=N_BLOCKS, backend=TritonBackend(SMALL),
-                    cuda_graphs="eager", overlap=True, tensor_parallel_size=2)
+    two = make_engine(str(path), block_size=8, num_blocks=N_BLOCKS, backend=TritonBackend(SMALL),
+                      cuda_graphs="eager", overlap=True, tensor_parallel_size=2)
     try:
         want = _drive(plain, reqs, [], abort_at=5)
         got = _drive(two, reqs, [], abort_at=5)

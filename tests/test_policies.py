@@ -4,11 +4,11 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from spanserve import LLM, SamplingParams, Segment
-from spanserve.engine.engine import LLMEngine
 from spanserve.engine.layout import resolve
 from spanserve.model.loader import load_model
 from spanserve.reuse.policies import FULL, NONE, CacheBlend, Sinks, SparseQ, resolve_policy
 from dense_reference import Dense, policy_logits
+from engine_helpers import make_engine
 from span_helpers import capture_logits, run_all
 from test_span_layouts import layouts
 from tiny_models import make_tiny_model
@@ -55,7 +55,7 @@ def reference(dense, segs, policy, bs):
 @given(segs=sink_layouts(), policy=st.one_of(policies, st.just(NONE), st.just(FULL)))
 def test_sink_anchor_and_sink_tokens_match_dense_cold_and_warm(tiny, bs, segs, policy):
     loaded, dense = tiny
-    engine = LLMEngine(loaded, block_size=bs, num_blocks=2048, sink_prefix=SINK)
+    engine = make_engine(loaded, block_size=bs, num_blocks=2048, sink_prefix=SINK)
     ref = reference(dense, segs, policy, bs)
     seen = capture_logits(engine)
     cold, warm = run_all(engine, [segs], policy=policy) + run_all(engine, [segs], policy=policy)
@@ -68,7 +68,7 @@ def test_sink_anchored_segment_is_one_copy_across_requests(tiny):
     """Two requests with different instructions share a sink-anchored document's blocks (a
     prefix-anchored one would be encoded twice)."""
     loaded, _ = tiny
-    engine = LLMEngine(loaded, block_size=4, num_blocks=512, sink_prefix=SINK)
+    engine = make_engine(loaded, block_size=4, num_blocks=512, sink_prefix=SINK)
     doc = Segment(token_ids=list(range(10, 50)), kind="plus", anchor="sink")
     a = [Segment(token_ids=list(SINK) + [5, 6, 7]), doc, Segment(token_ids=[8, 9])]
     b = [Segment(token_ids=list(SINK) + [11, 12, 13, 14, 15]), doc, Segment(token_ids=[8, 9])]
@@ -80,11 +80,11 @@ def test_sink_anchored_segment_is_one_copy_across_requests(tiny):
 
 def test_sink_anchor_needs_the_sink_prefix(tiny):
     loaded, _ = tiny
-    engine = LLMEngine(loaded, block_size=4, num_blocks=64, sink_prefix=SINK)
+    engine = make_engine(loaded, block_size=4, num_blocks=64, sink_prefix=SINK)
     bad = [Segment(token_ids=[5, 6]), Segment(token_ids=[7, 8], kind="plus", anchor="sink"), Segment(token_ids=[9])]
     with pytest.raises(ValueError, match="sink prefix"):
         engine.add_request(bad)
-    bare = LLMEngine(loaded, block_size=4, num_blocks=64, sink_prefix=())
+    bare = make_engine(loaded, block_size=4, num_blocks=64, sink_prefix=())
     with pytest.raises(ValueError, match="no sink prefix"):
         bare.add_request([Segment(token_ids=[5]), Segment(token_ids=[7], kind="plus", anchor="sink"), Segment(token_ids=[9])])
     assert engine.pool.num_free == engine.pool.num_blocks and not engine.requests
@@ -96,7 +96,7 @@ def test_sink_anchor_needs_the_sink_prefix(tiny):
 @given(segs=layouts(vocab=256), policy=policies)
 def test_policies_match_dense_cold_and_warm(tiny, bs, segs, policy):
     loaded, dense = tiny
-    engine = LLMEngine(loaded, block_size=bs, num_blocks=2048)
+    engine = make_engine(loaded, block_size=bs, num_blocks=2048)
     ref = policy_logits(dense, resolve(segs, None, "none"), policy, bs)
     seen = capture_logits(engine)
     cold, warm = run_all(engine, [segs], policy=policy) + run_all(engine, [segs], policy=policy)

@@ -46,8 +46,6 @@ def test_auto_on_cuda_is_bf16_triton_graphs_fused() -> None:
     assert choices(r) == ("cuda", "bfloat16", "triton", True, True)
     assert r.summary() == ("device=cuda (auto: CUDA available), dtype=bfloat16 (auto: CUDA), attention=triton "
                            "(auto: CUDA), cuda_graphs=on (auto: CUDA with Triton), fused_ops=on (auto: CUDA)")
-    assert r.engine_args() == {"device": "cuda", "dtype": "bfloat16", "backend": "triton", "cuda_graphs": True,
-                               "fused_ops": True}
 
 
 def test_cuda_fallbacks_without_bf16_or_triton() -> None:
@@ -173,16 +171,16 @@ def test_cli_passes_choices_to_the_server(monkeypatch: pytest.MonkeyPatch) -> No
     from spanserve.server import launch
 
     seen = []
-    monkeypatch.setattr(launch, "serve", lambda opts: seen.append(opts) or 0)
+    monkeypatch.setattr(launch, "serve", lambda opts: seen.append(opts.engine) or 0)
     assert cli.main(["serve", "--model", "m"]) == 0
-    o = seen[-1]
-    assert (o.device, o.dtype, o.backend, o.enforce_eager, o.fused_ops, o.overlap) == (
-        "auto", "auto", "auto", False, "auto", True)
+    e = seen[-1]
+    assert (e.model.device, e.model.dtype, e.runtime.backend, e.runtime.enforce_eager, e.runtime.fused_ops,
+            e.runtime.overlap) == ("auto", "auto", "auto", False, "auto", None)
     assert cli.main(["serve", "--model", "m", "--device", "cpu", "--dtype", "bfloat16", "--attention-backend",
                      "reference", "--enforce-eager", "--fused-ops", "off", "--no-overlap"]) == 0
-    o = seen[-1]
-    assert (o.device, o.dtype, o.backend, o.enforce_eager, o.fused_ops, o.overlap) == (
-        "cpu", "bfloat16", "reference", True, "off", False)
+    e = seen[-1]
+    assert (e.model.device, e.model.dtype, e.runtime.backend, e.runtime.enforce_eager, e.runtime.fused_ops,
+            e.runtime.overlap) == ("cpu", "bfloat16", "reference", True, "off", False)
 
 
 def test_cli_bad_choices(tiny: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -203,12 +201,14 @@ def test_serve_logs_what_it_chose(tiny: str, caplog: pytest.LogCaptureFixture,
     """The real start-up path up to uvicorn (whose run is stubbed: no port is opened)."""
     import uvicorn
 
+    from spanserve.engine.config import EngineConfig
     from spanserve.server.launch import ServeOptions, serve
 
     ran = []
     monkeypatch.setattr(uvicorn.Server, "run", lambda self: ran.append(self))
     with caplog.at_level("INFO", logger="spanserve"):
-        assert serve(ServeOptions(model=tiny, kv_cache_memory=1 << 21)) == 1  # never started
+        opts = ServeOptions(EngineConfig.from_kwargs(model=tiny, kv_cache_memory=1 << 21))
+        assert serve(opts) == 1  # never started
     assert ran
     assert ("runtime: device=cpu (auto: no CUDA device), dtype=float32 (auto: CPU), attention=reference "
             "(auto: not CUDA), cuda_graphs=off (not CUDA), fused_ops=off (auto: not CUDA)") in caplog.text

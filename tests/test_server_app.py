@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from spanserve.engine.engine import LLMEngine
 from spanserve.server.app import create_app
 from spanserve.server.context import ServerConfig
+from engine_helpers import make_engine
 from test_server_harness import build_tiny_model
 
 
@@ -21,7 +21,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture()
 def client(tiny: Path) -> Iterator[TestClient]:
-    engine = LLMEngine(str(tiny), num_blocks=64, block_size=8)
+    engine = make_engine(str(tiny), num_blocks=64, block_size=8)
     app = create_app(engine, ServerConfig(served_model_name="tiny", model_source=str(tiny), max_pending=2))
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c

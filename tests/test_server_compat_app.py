@@ -11,6 +11,7 @@ from starlette.testclient import TestClient
 from spanserve.engine.engine import LLMEngine
 from spanserve.server.app import create_app
 from spanserve.server.context import ServerConfig
+from engine_helpers import make_engine
 from test_server_harness import build_tiny_model
 
 KEY = "sk-all-routes"
@@ -19,7 +20,7 @@ KEY = "sk-all-routes"
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
     path = build_tiny_model(tmp_path_factory.mktemp("tiny-compat-app") / "tiny")
-    return LLMEngine(str(path), num_blocks=64, block_size=8)
+    return make_engine(str(path), num_blocks=64, block_size=8)
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,17 @@ import jsonschema
 import pytest
 from starlette.testclient import TestClient
 
-from spanserve.engine.engine import LLMEngine
 from spanserve.model.loader import load_tokenizer
 from spanserve.server.app import create_app
 from spanserve.server.context import ServerConfig
+from engine_helpers import make_engine
 from structured_helpers import build_tiny_smollm2, json_schema_format, random_schema
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     path = build_tiny_smollm2(tmp_path_factory.mktemp("structured-http") / "tiny", load_tokenizer("smollm2"))
-    engine = LLMEngine(str(path), num_blocks=256, block_size=16)
+    engine = make_engine(str(path), num_blocks=256, block_size=16)
     app = create_app(engine, ServerConfig(served_model_name="tiny", model_source=str(path)))
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c

@@ -6,10 +6,10 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from spanserve import Segment
-from spanserve.engine.engine import LLMEngine
 from spanserve.engine.layout import resolve
 from spanserve.model.loader import load_model
 from dense_reference import Dense
+from engine_helpers import make_engine
 from span_helpers import capture_logits, run_all
 from tiny_models import make_tiny_model
 
@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
 
 
 def _engine(loaded, bs, num_blocks=4096):
-    return LLMEngine(loaded, block_size=bs, num_blocks=num_blocks)
+    return make_engine(loaded, block_size=bs, num_blocks=num_blocks)
 
 
 @st.composite

@@ -13,7 +13,8 @@ import random  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from test_triton_attention import BS, SMALL, D, _case  # noqa: E402
+from test_triton_attention import BS, D, SMALL, _case  # noqa: E402
+from engine_helpers import make_engine  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 
 from spanserve.attention.host_plan import HostPlan  # noqa: E402
@@ -146,9 +147,9 @@ def test_engine_short_steps_match_eager(tmp_path, split: int, prerotate: bool) -
     prompts = _prompts(gen, 384, doc, other)
 
     def engine(graphs: bool | str) -> LLMEngine:
-        return LLMEngine(str(path), block_size=8, num_blocks=160, max_num_batched_tokens=96,
-                         backend=TritonBackend(LaunchConfig(32, 8, 4, 1) if split else SMALL, SMALL,
-                                               split_programs=split, prerotate_prefill=prerotate), cuda_graphs=graphs)
+        return make_engine(str(path), block_size=8, num_blocks=160, max_num_batched_tokens=96,
+                           backend=TritonBackend(LaunchConfig(32, 8, 4, 1) if split else SMALL, SMALL,
+                                                 split_programs=split, prerotate_prefill=prerotate), cuda_graphs=graphs)
 
     eager, fixed = engine(False), engine("eager")
     steps = fixed.executor.step_graphs

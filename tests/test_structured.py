@@ -28,6 +28,8 @@ from spanserve.engine.structured import (
     parse_response_format,
 )
 from spanserve.model.loader import load_tokenizer
+from engine_helpers import make_engine
+from structured_helpers import build_tiny_smollm2, json_schema_format, random_schema
 
 N_SCHEMAS = 20
 
@@ -39,7 +41,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> LLMEngine:
-    return LLMEngine(str(model_dir), num_blocks=512, block_size=16)
+    return make_engine(str(model_dir), num_blocks=512, block_size=16)
 
 
 def run(engine: LLMEngine, requests: list[tuple[str, SamplingParams]]) -> dict[str, Any]:
@@ -117,7 +119,7 @@ def test_too_few_tokens_ends_with_length_and_a_prefix(engine: LLMEngine) -> None
 
 def test_preemption_feeds_each_token_once(model_dir: Path) -> None:
     # 12 blocks of 4 slots for 4 growing requests: the scheduler must preempt and recompute
-    small = LLMEngine(str(model_dir), num_blocks=12, block_size=4)
+    small = make_engine(str(model_dir), num_blocks=12, block_size=4)
     rng = random.Random(7)
     schemas = [random_schema(rng) for _ in range(4)]
     requests = [("hi", SamplingParams(max_tokens=40, seed=i, response_format=json_schema_format(s)))

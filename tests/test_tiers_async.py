@@ -16,6 +16,7 @@ from spanserve.engine.layout import resolve
 from spanserve.engine.request import Status
 from spanserve.model.loader import load_model
 from dense_reference import Dense
+from engine_helpers import make_engine
 from span_helpers import capture_logits
 from tiny_models import make_tiny_model
 
@@ -46,7 +47,7 @@ def layouts():
 @pytest.fixture(scope="module")
 def expected(loaded, layouts):
     """Tokens of each layout from an engine without tiers."""
-    eng = LLMEngine(loaded, block_size=BS, num_blocks=N_BLOCKS)
+    eng = make_engine(loaded, block_size=BS, num_blocks=N_BLOCKS)
     reqs = [eng.add_request(x, GREEDY) for x in layouts]
     while eng.has_unfinished():
         eng.step()
@@ -74,9 +75,9 @@ class Gate:
 
 
 def _engine(loaded, async_loads: bool = True, store_url: "str | None" = None) -> LLMEngine:
-    return LLMEngine(loaded, block_size=BS, num_blocks=N_BLOCKS,
-                     kv_offload={"cpu_bytes": "1MiB", "async_loads": async_loads, "store_url": store_url,
-                                 "store_secret": "async-test-secret-0123456789"})
+    return make_engine(loaded, block_size=BS, num_blocks=N_BLOCKS,
+                       kv_offload={"cpu_bytes": "1MiB", "async_loads": async_loads, "store_url": store_url,
+                                   "store_secret": "async-test-secret-0123456789"})
 
 
 def _to_host(eng: LLMEngine, layout) -> dict[int, BlockKV]:

@@ -329,11 +329,12 @@ def test_tiles_sized_for_dtype_and_head_dim() -> None:
 
 
 def test_engine_runs_the_backend_sized_for_its_model() -> None:
-    from spanserve.engine.engine import LLMEngine
+    from engine_helpers import make_engine
+
     from spanserve.model.config import ModelConfig
     from spanserve.model.weights import RandomWeights
 
     cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=256, intermediate_size=64, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=128, max_position_embeddings=256)
-    eng = LLMEngine(RandomWeights(cfg, seed=0), dtype="float32", num_blocks=8, backend=TritonBackend())
+    eng = make_engine(RandomWeights(cfg, seed=0), dtype="float32", num_blocks=8, backend=TritonBackend())
     assert (eng.executor.backend.prefill_cfg.block_m, eng.executor.backend.decode_cfg.block_n) == (64, 64)

@@ -1,5 +1,5 @@
 """Host time of a batch-64 decode step, split by phase, through the offline engine and the
-AsyncEngine (the server's path).
+the engine client (the server's path).
 
 On a GPU the engine step is synchronous: while the host schedules, samples, detokenizes and
 publishes, the GPU idles, so every host millisecond of a decode step adds to it. Here a tiny
@@ -12,7 +12,7 @@ own methods, on decode-only steps at the full batch:
     runner     ModelRunner.run (host prep + the tiny forward on a CPU)
     sampler    the structured-output mask + Sampler (penalties, filters, draws, .tolist())
     post       the rest of LLMEngine.step: _append (detokenization, stop checks), publish, outputs
-    async      AsyncEngine wall per step minus its engine.step time (hand-off to the event loop,
+    async      client wall per step minus its engine.step time (hand-off to the event loop,
                the consumers' wake-ups, GIL contention with them)
 
     .venv/bin/python benchmarks/experiments/decode_step_host.py                 # CPU, writes results/decode_step_host.json
@@ -40,7 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from common import format_table, llama3_8b_config, random_model, set_threads, weight_shapes, write_json  # noqa: E402
 
-from spanserve.engine.async_engine import AsyncEngine, RequestSpec  # noqa: E402
+from spanserve.engine.client import RequestSpec  # noqa: E402
+from spanserve.engine.inproc import inproc_client  # noqa: E402
+from spanserve.engine.config import EngineConfig  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.worker.storage import bytes_per_block  # noqa: E402
@@ -121,13 +123,16 @@ def make_engine(args: argparse.Namespace) -> LLMEngine:
     if args.gpu:
         model = random_model(llama3_8b_config(), "cuda", torch.bfloat16)
         kv = bytes_per_block(model.config, 16, torch.bfloat16) * (args.batch * (args.prompt_len + args.tokens) // 16 + 256)
-        return LLMEngine(model, device="cuda", dtype="bfloat16", backend="triton", max_num_seqs=args.batch,
-                         max_num_batched_tokens=max(2048, args.batch * args.prompt_len), kv_cache_memory=kv)
+        return LLMEngine(EngineConfig.from_kwargs(
+            model=model, device="cuda", dtype="bfloat16", backend="triton", max_num_seqs=args.batch,
+            max_num_batched_tokens=max(2048, args.batch * args.prompt_len), kv_cache_memory=kv))
     from tiny_models import make_tiny_model
 
     path, _ = make_tiny_model("llama", Path(tempfile.mkdtemp(prefix="decode-step-host-")))
-    return LLMEngine(str(path), num_blocks=args.batch * (-(-(args.prompt_len + args.tokens) // 16) + 1) + 64,
-                     max_num_seqs=args.batch, max_num_batched_tokens=args.batch * args.prompt_len)
+    return LLMEngine(EngineConfig.from_kwargs(
+        model=str(path), device="cpu", dtype="float32",
+        num_blocks=args.batch * (-(-(args.prompt_len + args.tokens) // 16) + 1) + 64,
+        max_num_seqs=args.batch, max_num_batched_tokens=args.batch * args.prompt_len))
 
 
 def prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -159,7 +164,7 @@ def run_async(eng: LLMEngine, mode: str, args: argparse.Namespace) -> dict[str, 
              for i, p in enumerate(prompts(args, eng.config.vocab_size))]
 
     async def main() -> tuple[float, int]:
-        aeng = AsyncEngine(eng)
+        aeng = inproc_client(eng)
         aeng.start()
         try:
             streams = await aeng.add_requests(specs)

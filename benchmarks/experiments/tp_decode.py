@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the
 from common import format_table, llama3_8b_config, median, random_tokens, tiny_llama_config, write_json  # noqa: E402
 
 import spanserve.engine.engine as engine_module  # noqa: E402
+from spanserve.engine.config import EngineConfig  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.model.weights import RandomWeights  # noqa: E402
@@ -191,10 +192,11 @@ def decode_profile(args: argparse.Namespace, tp: int) -> dict[str, Any]:
     if not args.dry:
         from spanserve.attention.triton import TritonBackend
         backend = TritonBackend()
-    eng = LLMEngine(RandomWeights(cfg, seed=0), device=dev, dtype="float32" if args.dry else "bfloat16",
-                    backend=backend, tensor_parallel_size=tp, overlap=args.chained,
-                    num_blocks=(args.context + 2 * args.steps + 64) // 16 + 64, max_num_seqs=4,
-                    max_num_batched_tokens=max(args.context, 256))
+    eng = LLMEngine(EngineConfig.from_kwargs(
+        model=RandomWeights(cfg, seed=0), device=dev, dtype="float32" if args.dry else "bfloat16",
+        backend=backend, tensor_parallel_size=tp, overlap=args.chained,
+        num_blocks=(args.context + 2 * args.steps + 64) // 16 + 64, max_num_seqs=4,
+        max_num_batched_tokens=max(args.context, 256)))
     try:
         ph = Phases(eng, dev == "cuda")
         gen = torch.Generator().manual_seed(5)

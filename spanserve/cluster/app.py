@@ -22,6 +22,8 @@ from spanserve.cluster.forward import error_response, relay_stream
 from spanserve.cluster.keys import KeyMaker, load_tokenizer
 from spanserve.cluster.ray_router import SegmentRequestRouter
 from spanserve.cluster.routing import RouteKey
+from spanserve.engine.config import EngineConfig
+from spanserve.engine.runtime import Platform, detect_platform
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +35,15 @@ _HOP_HEADERS = {"content-length", "transfer-encoding", "connection"}
 class ClusterOptions:
     model: str = "smollm2"
     replicas: int = 2
-    # Forwarded to every replica's LLMEngine(...) as keyword arguments: dtype, block_size,
-    # kv_cache_memory, max_num_seqs, default_policy, and any option an engine grows later.
+    # Every replica's engine options, as LLM(...) names them (block_size, num_blocks, device,
+    # dtype, ...), in plain values; each replica resolves them on its own machine with
+    # EngineConfig.resolve, as `LLM(...)` and `spanserve serve` do.
     engine: dict[str, Any] = field(default_factory=dict)
     served_model_name: str | None = None
     max_queued_requests: int = 1024
     replica_cpus: float = 1.0  # Ray CPUs reserved per replica (also its torch threads, at least 1)
-    replica_gpus: float = 0.0  # Ray GPUs per replica (with engine device "cuda")
+    # Ray GPUs per replica; None: one per tensor-parallel rank when the engine resolves to CUDA, else 0
+    replica_gpus: float | None = None
     max_ongoing_requests: int = 64  # per replica; beyond it Ray Serve queues at the router
     slack: float = 0.25  # a replica may hold (1 + slack) x the mean load before requests spill
     retries: int = 1  # times a request is sent again when its replica dies before answering
@@ -50,12 +54,28 @@ class ClusterOptions:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if not self.replica_cpus > 0:
             raise ValueError(f"replica_cpus must be > 0, got {self.replica_cpus}")
+        if self.replica_gpus is not None and not self.replica_gpus >= 0:
+            raise ValueError(f"replica_gpus must be >= 0 (or unset for the default), got {self.replica_gpus}")
         if self.retries < 0 or not self.slack >= 0:
             raise ValueError("retries and slack must be >= 0")
+        self.engine_config().to_dict()  # checked and shippable here, not in a replica's log
 
-    @property
-    def block_size(self) -> int:
-        return int(self.engine.get("block_size", 16))
+    def engine_config(self) -> EngineConfig:
+        """The replicas' engine configuration, checked but not resolved (each replica resolves it)."""
+        if "model" in self.engine:
+            raise ValueError("give the model as ClusterOptions.model (--model), not among the engine options")
+        return EngineConfig.from_kwargs(model=self.model, **self.engine).check()
+
+
+def replica_gpus(opts: ClusterOptions, platform: Platform) -> float:
+    """GPUs Ray reserves for each replica: the explicit value, else one per tensor-parallel rank
+    when the engine runs on CUDA (a device named cuda, or `auto` resolved on `platform`), else 0."""
+    if opts.replica_gpus is not None:
+        return float(opts.replica_gpus)
+    config = opts.engine_config()
+    asked = config.model.device.strip().lower()
+    device = asked if asked != "auto" else config.resolve(platform).model.device
+    return float(config.parallel.tensor_parallel_size) if device.startswith("cuda") else 0.0
 
 
 class EngineReplica:
@@ -71,11 +91,13 @@ class EngineReplica:
 
         opts = ClusterOptions(**options)
         torch.set_num_threads(max(1, int(opts.replica_cpus)))
-        self.engine = LLMEngine(model=opts.model, **opts.engine)
-        max_pending = int(opts.engine.get("max_num_seqs", 64)) + opts.max_queued_requests
-        config = ServerConfig(served_model_name=opts.served_model_name or default_served_name(opts.model),
+        config = opts.engine_config().resolve()  # on this replica's machine
+        log.info("runtime: %s", config.summary())
+        self.engine = LLMEngine(config)
+        max_pending = config.scheduler.max_num_seqs + opts.max_queued_requests
+        server = ServerConfig(served_model_name=opts.served_model_name or default_served_name(opts.model),
                               model_source=opts.model, max_pending=max_pending)
-        self.app = create_app(self.engine, config)
+        self.app = create_app(self.engine, server)
         self._lifespan: Any = None
         self._name = serve.get_replica_context().replica_id.unique_id
 
@@ -117,8 +139,9 @@ class Gateway:
         opts = ClusterOptions(**options)
         self.engines = engines
         self.retries = opts.retries
-        self.keys = KeyMaker(load_tokenizer(opts.model), opts.block_size,
-                             str(opts.engine.get("default_policy", "none")))
+        config = opts.engine_config()
+        self.keys = KeyMaker(load_tokenizer(opts.model), config.cache.block_size,
+                             str(config.scheduler.default_policy))
 
     @gateway_api.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def proxy(self, path: str, request: Request) -> Response:
@@ -152,7 +175,7 @@ def build_app(opts: ClusterOptions) -> Any:
     options = asdict(opts)
     engines = serve.deployment(EngineReplica).options(
         name="SpanserveEngine", num_replicas=opts.replicas,
-        ray_actor_options={"num_cpus": opts.replica_cpus, "num_gpus": opts.replica_gpus},
+        ray_actor_options={"num_cpus": opts.replica_cpus, "num_gpus": replica_gpus(opts, detect_platform(opts.model))},
         max_ongoing_requests=opts.max_ongoing_requests,
         health_check_period_s=opts.health_check_period_s, health_check_timeout_s=30,
         request_router_config=RequestRouterConfig(

@@ -24,7 +24,8 @@ def start_ray(address: str | None, num_cpus: float, object_store_bytes: int) -> 
         ray.init(address=address, log_to_driver=False,
                  runtime_env={"py_modules": [str(Path(spanserve.__file__).parent)]})
         return
-    ray.init(num_cpus=max(1, int(num_cpus + 0.999)), object_store_memory=object_store_bytes,
+    # "local": a new instance even where `ray start` runs one on this machine (None would join it)
+    ray.init(address="local", num_cpus=max(1, int(num_cpus + 0.999)), object_store_memory=object_store_bytes,
              include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
 
 
@@ -50,10 +51,11 @@ def serve_cluster(opts: ClusterOptions, address: str | None, host: str, port: in
                   object_store_bytes: int = 256 << 20) -> int:
     """Blocks until interrupted; the exit status (1 if the application never came up)."""
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if address is None:  # the replicas run here: a wrong model path is an error now, not in a log
+    if address is None:  # the replicas run here: a wrong model or option is an error now, not in a log
         from spanserve.model.loader import resolve_model
 
         resolve_model(opts.model)
+        log.info("replica runtime: %s", opts.engine_config().resolve().summary())
     start_ray(address, opts.replicas * opts.replica_cpus + 1, object_store_bytes)
     try:
         log.info("starting %d replicas of %s ...", opts.replicas, opts.model)

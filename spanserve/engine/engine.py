@@ -9,166 +9,57 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from spanserve.attention.backend import AttentionBackend
-from spanserve.attention.reference import ReferenceBackend
-from spanserve.cache.block_pool import BlockPool
 from spanserve.cache.claim import Piece
-from spanserve.cache.manager import CacheManager
-from spanserve.cache.tiers import BlockShape, OffloadConfig, model_fingerprint
-from spanserve.cache.tiers.stack import TierStack
 from spanserve.engine.batch import prepare
+from spanserve.engine.builder import build
+from spanserve.engine.config import EngineConfig
 from spanserve.engine.detokenize import make_decoder
 from spanserve.engine.layout import Segment
-from spanserve.engine.layout import sink_prefix as layout_sink_prefix
 from spanserve.engine.outputs import RequestOutput, output_of
 from spanserve.engine.overlap import Pending, chainable, continues, may_continue, next_is_chained
 from spanserve.engine.params import SamplingParams
 from spanserve.engine.prepare import Limits, Prepared, check_ids, check_prompt
 from spanserve.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from spanserve.engine.request import Request
-from spanserve.engine.runtime import make_backend
-from spanserve.engine.sampling import Sampler, make_generator
-from spanserve.engine.scheduler import Chunk, Schedule, Scheduler
+from spanserve.engine.sampling import make_generator
+from spanserve.engine.scheduler import Chunk, Schedule
 from spanserve.engine.step_stats import DecodeStepStats
 from spanserve.engine.stops import OutputText, token_stop
-from spanserve.engine.structured import Grammars, parse_response_format
-from spanserve.model.llama import LlamaModel
-from spanserve.model.loader import LoadedModel, load_model
-from spanserve.model.weights import RandomWeights
+from spanserve.engine.structured import parse_response_format
 from spanserve.reuse.policies import Policy, resolve_policy
-from spanserve.worker.executor import Executor
 from spanserve.worker.host_tokens import HostTokens
-from spanserve.worker.runner import ModelRunner
 from spanserve.worker.step import StepOutput
-from spanserve.worker.storage import KVStorage, bytes_per_block
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
-
 
 # Attributes of an engine that hold device memory (weights, KV pool, graphs, masks): dropped at shutdown.
 _DEVICE_PARTS = ("executor", "model", "storage", "manager", "scheduler", "sampler", "grammars", "tp")
 
 
 class LLMEngine:
-    def __init__(
-        self,
-        model: str | LoadedModel = "smollm2",
-        device: str = "cpu",
-        dtype: str | torch.dtype = "float32",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        backend: AttentionBackend | str | None = None,
-        default_policy: str | Policy = "none",
-        pin_fraction: float = 0.5,
-        reposition: str = "deferred",
-        cuda_graphs: "bool | str" = "auto",
-        tensor_parallel_size: int = 1,
-        tp_on_failure: str = "raise",
-        tp_float32_reduce: bool = False,
-        tp_peer_sum: bool = True,
-        emulate_tp: int = 1,
-        fused_ops: bool | None = None,
-        overlap: bool | None = None,
-        kv_offload: "OffloadConfig | dict | None" = None,
-        sink_prefix: "Sequence[int] | None" = None,
-    ):
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if not 0 <= pin_fraction <= 1:
-            raise ValueError(f"pin_fraction must be in [0, 1], got {pin_fraction}")
-        self.default_policy = resolve_policy(default_policy)
-        self.pin_fraction = pin_fraction
+    def __init__(self, config: EngineConfig):
+        """An engine for `config`, resolved here if it is not yet (its `auto` choices made for this
+        machine); its parts come from engine/builder.py."""
+        if not isinstance(config, EngineConfig):
+            raise TypeError("LLMEngine takes one EngineConfig, e.g. LLMEngine(EngineConfig.from_kwargs(model=..., "
+                            f"num_blocks=...)), or use LLM(...); got {type(config).__name__}")
+        self.engine_config = config = config.resolve()
+        parts = build(config)
+        self.default_policy = resolve_policy(config.scheduler.default_policy)
+        self.pin_fraction = config.cache.pin_fraction
         self.pinned: dict[tuple[str, str], list] = {}  # (namespace, key) -> blocks held for the pin
-        self.device = torch.device(device)
-        self.dtype = parse_dtype(dtype)
-        # tensor_parallel_size > 1: worker processes hold the other shards (spanserve.distributed);
-        # tp_on_failure: "raise" WorkerDied when one dies, or "exit" the process (a server);
-        # tp_float32_reduce: row-parallel partial sums in float32 (bf16 TP tracks TP=1 closely);
-        # tp_peer_sum: short steps' sums through GPU peer memory (distributed/peer_sum.py);
-        # emulate_tp=N: one device computing bit for bit as N ranks do (model/cuts.py)
-        if emulate_tp < 1 or (tensor_parallel_size > 1 and emulate_tp not in (1, tensor_parallel_size)):
-            raise ValueError(f"emulate_tp={emulate_tp}: give N >= 1 with tensor_parallel_size=1 (one device)")
-        cuts = emulate_tp if tensor_parallel_size == 1 else 1
-        self.tp = None
-        offload = OffloadConfig.of(kv_offload)
-        fingerprint = None
-        if tensor_parallel_size > 1:
-            from spanserve.distributed.driver import TPDriver
-
-            self.tp = TPDriver(model, tensor_parallel_size, self.device, self.dtype, tp_on_failure, tp_float32_reduce,
-                               tp_peer_sum)
-            self.config, self.tokenizer, self.model = self.tp.config, self.tp.tokenizer, self.tp.model
-            if offload is not None and offload.enabled:  # tiers keep whole blocks: TP=1's identity
-                fingerprint = self.tp.fingerprint(block_size)
-        else:
-            if isinstance(model, RandomWeights):
-                loaded = model.whole(self.dtype, self.device)
-            else:
-                loaded = model if isinstance(model, LoadedModel) else load_model(model, self.dtype, self.device)
-            self.config = loaded.config
-            self.tokenizer = loaded.tokenizer
-            # fused_ops: the Triton elementwise kernels; None = on a CUDA device when Triton imports
-            self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, fused=fused_ops, cuts=cuts)
-            if offload is not None and offload.enabled:
-                fingerprint = model_fingerprint(loaded.config, loaded.weights, self.dtype, block_size)
-            del loaded
-        # the anchor of anchor="sink" segments (default: BOS + the chat template's opening)
-        self.sink_prefix = tuple(sink_prefix) if sink_prefix is not None else layout_sink_prefix(self.tokenizer)
-        per_block = bytes_per_block(self.model.config, block_size, self.dtype)  # this rank's heads
-        if num_blocks is None:
-            budget = kv_cache_memory if kv_cache_memory is not None else self._default_kv_memory()
-            num_blocks = int(budget // per_block)
-        if num_blocks < 2:
-            raise ValueError(f"KV pool of {num_blocks} blocks is too small; raise kv_cache_memory or num_blocks")
-        self.block_size = block_size
-        backend = backend or ReferenceBackend()
-        if isinstance(backend, str):  # a name: "triton" or "reference"
-            backend = make_backend(backend)
-        backend = backend.sized_for(self.dtype, self.config.head_dim).for_shards(cuts)
-        if self.tp is not None:
-            self.storage = self.tp.storage(num_blocks, block_size, backend, cuda_graphs)
-        else:
-            self.storage = KVStorage(self.config, num_blocks, block_size, self.dtype, self.device)
-        # KV tiers below the pool (host memory, disk, a remote store), if configured
-        self.tiers: TierStack | None = None
-        if fingerprint is not None:
-            c = self.config
-            shape = BlockShape(c.num_layers, block_size, c.num_kv_heads, c.head_dim, self.dtype)
-            self.tiers = TierStack(offload, self.storage, shape, fingerprint)
-        self.pool = BlockPool(num_blocks, on_evict=self.tiers.on_evict if self.tiers else None)
-        self.manager = CacheManager(self.pool, self.storage, block_size, reposition, self.model.rotary, self.tiers)
-        self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
-        # cuda_graphs: decode steps replay CUDA graphs on a GPU with the Triton backend ("auto");
-        # False runs every step eagerly (vLLM's enforce_eager)
-        if self.tp is not None:
-            self.executor: Executor = self.tp.executor(self.storage, backend, cuda_graphs)
-        else:
-            self.executor = ModelRunner(self.model, self.storage, backend, cuda_graphs)
-        self.sampler = Sampler()
-        self.grammars = Grammars(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+        self.device, self.dtype, self.tp = parts.device, parts.dtype, parts.side.tp
+        self.config, self.tokenizer, self.model = parts.side.config, parts.side.tokenizer, parts.side.model
+        self.block_size, self.sink_prefix = config.cache.block_size, parts.sink_prefix
+        self.max_model_len = parts.max_model_len
+        self.storage, self.tiers, self.pool, self.manager = parts.storage, parts.tiers, parts.pool, parts.manager
+        self.scheduler, self.executor, self.sampler = parts.scheduler, parts.executor, parts.sampler
+        self.grammars = parts.grammars
         self._decode = make_decoder(self.tokenizer)
-        limit = min(self.config.max_position_embeddings, num_blocks * block_size)
-        self.max_model_len = min(max_model_len or limit, limit)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.decode_stats = DecodeStepStats()  # decode-only steps: wall time by batch size
         # overlap: decode steps chained on the device (engine/overlap.py); None = with CUDA graphs
         graphs = self.executor.graph_limits is not None
-        self.overlap = graphs and (self.device.type == "cuda" if overlap is None else overlap)
+        self.overlap = graphs and (self.device.type == "cuda" if config.runtime.overlap is None else config.runtime.overlap)
         self._pending: Pending | None = None  # a chained step whose picks the host has not seen
         self._settled_at = 0.0
         self.chained_steps = 0  # steps launched before the host saw the previous one's picks
@@ -200,14 +91,6 @@ class LLMEngine:
 
     def close(self) -> None:
         self.shutdown()
-
-    def _default_kv_memory(self) -> int:
-        if self.tp is not None and self.device.type == "cuda":
-            return int(self.tp.min_free * 0.8)  # the tightest rank's free memory
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.8)
-        return 1 << 30
 
     @functools.cached_property
     def eos_token_ids(self) -> set[int]:

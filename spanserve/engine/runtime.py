@@ -52,7 +52,7 @@ class Runtime:
     device: str
     dtype: str
     attention_backend: str  # "triton" or "reference"
-    cuda_graphs: bool
+    cuda_graphs: bool | str  # "eager": the graphs' buffers without capture (tests)
     fused_ops: bool
     reasons: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -62,14 +62,9 @@ class Runtime:
                  ("cuda_graphs", _onoff(self.cuda_graphs)), ("fused_ops", _onoff(self.fused_ops))]
         return ", ".join(f"{k}={v} ({self.reasons[k]})" if k in self.reasons else f"{k}={v}" for k, v in items)
 
-    def engine_args(self) -> dict[str, Any]:
-        """LLMEngine keyword arguments that carry these choices."""
-        return {"device": self.device, "dtype": self.dtype, "backend": self.attention_backend,
-                "cuda_graphs": self.cuda_graphs, "fused_ops": self.fused_ops}
 
-
-def _onoff(flag: bool) -> str:
-    return "on" if flag else "off"
+def _onoff(flag: bool | str) -> str:
+    return flag if isinstance(flag, str) else "on" if flag else "off"
 
 
 def resolve_runtime(req: RuntimeRequest, platform: Platform) -> Runtime:

@@ -5,10 +5,15 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from spanserve.engine.config import EngineConfig
 from spanserve.worker.storage import bytes_per_block
+
+if TYPE_CHECKING:
+    from spanserve.engine.engine import LLMEngine
 
 log = logging.getLogger("spanserve")
 
@@ -25,29 +30,29 @@ def default_served_name(model: str) -> str:
 
 @dataclass
 class ServeOptions:
-    model: str = "smollm2"
+    engine: EngineConfig = field(default_factory=EngineConfig)  # the model and every engine option
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    backend: str = "auto"  # attention backend: auto | triton | reference
-    enforce_eager: bool = False  # no CUDA graphs
-    fused_ops: str = "auto"  # auto | on | off
-    kv_cache_memory: int | None = None
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    default_policy: str = "none"  # the engine's recomputation policy for requests naming none
     # Requests that may wait beyond the running batch before new ones get 429.
     max_queued_requests: int = 1024
     log_level: str = "info"
-    tensor_parallel_size: int = 1
-    overlap: bool = True  # decode steps chained on the device where CUDA graphs run (engine/overlap.py)
     api_key: str | None = None  # None: the SPANSERVE_API_KEY environment variable, if set
     auth_all_routes: bool = False  # the key guards /health and /metrics too
     strict_params: bool = False  # unknown request fields are a 400 instead of a logged warning
-    kv_offload: dict | None = None  # cache.tiers.OffloadConfig fields; None: no tiers below the pool
+
+
+def _log_engine(engine: "LLMEngine", seconds: float) -> None:
+    c = engine.config
+    log.info("model loaded in %.1f s: %s, %d layers, hidden %d, vocab %d", seconds,
+             c.arch, c.num_layers, c.hidden_size, c.vocab_size)
+    blocks = engine.pool.num_blocks
+    mib = blocks * bytes_per_block(engine.model.config, engine.block_size, engine.dtype) / 2**20  # per rank
+    log.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB); max model len %d; default policy %s",
+             blocks, engine.block_size, blocks * engine.block_size, mib, engine.max_model_len,
+             engine.default_policy.name)
+    if engine.tiers is not None:
+        log.info("KV tiers below the pool: %s", ", ".join(t.name for t in engine.tiers.tiers))
 
 
 def serve(opts: ServeOptions) -> int:
@@ -56,36 +61,22 @@ def serve(opts: ServeOptions) -> int:
     import uvicorn
 
     from spanserve.engine.engine import LLMEngine
-    from spanserve.engine.runtime import RuntimeRequest, detect_platform, resolve_runtime
     from spanserve.server.app import create_app
     from spanserve.server.context import ServerConfig
 
     logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    name = opts.served_model_name or default_served_name(opts.model)
+    engine_config = opts.engine.updated(tp_on_failure="exit").resolve()  # a dead TP worker ends the server
+    source = str(engine_config.model.source)
+    name = opts.served_model_name or default_served_name(source)
     api_key = resolve_api_key(opts.api_key, os.environ)
-    config = ServerConfig(served_model_name=name, model_source=opts.model,
-                          max_pending=opts.max_num_seqs + opts.max_queued_requests,
+    config = ServerConfig(served_model_name=name, model_source=source,
+                          max_pending=engine_config.scheduler.max_num_seqs + opts.max_queued_requests,
                           strict_params=opts.strict_params, api_key=api_key, auth_all_routes=opts.auth_all_routes)
-    runtime = resolve_runtime(RuntimeRequest(opts.device, opts.dtype, opts.backend, opts.enforce_eager, opts.fused_ops),
-                              detect_platform(opts.model))
-    log.info("runtime: %s", runtime.summary())
-    log.info("loading model %s on %s (%s) ...", opts.model, runtime.device, runtime.dtype)
+    log.info("runtime: %s", engine_config.summary())
+    log.info("loading model %s on %s (%s) ...", source, engine_config.model.device, engine_config.model.dtype)
     t0 = time.monotonic()
-    engine = LLMEngine(model=opts.model, **runtime.engine_args(), block_size=opts.block_size,
-                       kv_cache_memory=opts.kv_cache_memory, max_num_seqs=opts.max_num_seqs,
-                       max_model_len=opts.max_model_len, default_policy=opts.default_policy,
-                       tensor_parallel_size=opts.tensor_parallel_size, tp_on_failure="exit",
-                       overlap=None if opts.overlap else False,
-                       kv_offload=opts.kv_offload)
-    c = engine.config
-    log.info("model loaded in %.1f s: %s, %d layers, hidden %d, vocab %d", time.monotonic() - t0,
-             c.arch, c.num_layers, c.hidden_size, c.vocab_size)
-    blocks = engine.pool.num_blocks
-    mib = blocks * bytes_per_block(engine.model.config, engine.block_size, engine.dtype) / 2**20  # per rank
-    log.info("KV pool: %d blocks x %d tokens = %d tokens (%.1f MiB); max model len %d; default policy %s",
-             blocks, engine.block_size, blocks * engine.block_size, mib, engine.max_model_len, opts.default_policy)
-    if engine.tiers is not None:
-        log.info("KV tiers below the pool: %s", ", ".join(t.name for t in engine.tiers.tiers))
+    engine = LLMEngine(engine_config)
+    _log_engine(engine, time.monotonic() - t0)
     app = create_app(engine, config)
     url = f"http://{opts.host}:{opts.port}"
     log.info("serving %r at %s/v1 (metrics at %s/metrics)", name, url, url)

@@ -13,6 +13,7 @@ from spanserve import LLM, SamplingParams
 from spanserve.attention.triton import TritonBackend
 from spanserve.engine.engine import LLMEngine
 from spanserve.engine.batch import prepare
+from engine_helpers import make_engine
 from tiny_models import make_tiny_model
 
 LOGITS_TOL = 5e-2
@@ -86,7 +87,7 @@ def test_8b_triton_logits_match_the_reference_backend(model_8b):
     lays = span_layouts(gen, 128000, torch.randint(3, 128000, (700,), generator=gen).tolist())
     logits = {}
     for name, backend in [("reference", None), ("triton", TritonBackend()), ("triton-eager-ops", TritonBackend())]:
-        eng = LLMEngine(model_8b, device="cuda", dtype="bfloat16", num_blocks=2048, backend=backend)
+        eng = make_engine(model_8b, device="cuda", dtype="bfloat16", num_blocks=2048, backend=backend)
         if name == "triton-eager-ops":
             eng.model.ops = _Eager
         logits[name] = [last_logits(eng, lay) for lay in lays + lays]
@@ -102,7 +103,7 @@ def graph_run(model, graphs, lays: list, warm: list) -> tuple[list[list[int]], l
     """Decode the layouts at batch 3 to the end, then each warm layout alone: its prefill logits
     (a short step over cached documents at new positions) and its tokens."""
     backend = None if graphs is None else TritonBackend()
-    eng = LLMEngine(model, device="cuda", dtype="bfloat16", num_blocks=1024, backend=backend,
+    eng = make_engine(model, device="cuda", dtype="bfloat16", num_blocks=1024, backend=backend,
                     cuda_graphs=graphs or False)
     toks = run_to_end(eng, lays, GREEDY)
     first = []
@@ -143,7 +144,7 @@ def test_8b_split_decode_graphs_match_split_eager_over_16k_keys(model_8b):
     params = SamplingParams(max_tokens=38, temperature=0, ignore_eos=True)
     toks, ways = {}, []
     for graphs in (True, False):
-        eng = LLMEngine(model_8b, device="cuda", dtype="bfloat16", max_num_batched_tokens=n_ctx + 16,
+        eng = make_engine(model_8b, device="cuda", dtype="bfloat16", max_num_batched_tokens=n_ctx + 16,
                         num_blocks=n_ctx // 16 + 64, backend=TritonBackend(), cuda_graphs=graphs)
         toks[graphs] = run_to_end(eng, [prompt], params)[0]
         if graphs:
