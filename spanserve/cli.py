@@ -95,7 +95,9 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(ServeOptions(
         engine=engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
         max_queued_requests=args.max_queued_requests, log_level=args.log_level, api_key=args.api_key,
-        auth_all_routes=args.auth_all_routes, strict_params=args.strict_params))
+        auth_all_routes=args.auth_all_routes, strict_params=args.strict_params,
+        engine_process=not args.no_engine_process, api_server_count=args.api_server_count,
+        restart_engine=args.restart_engine, step_timeout_s=args.step_timeout))
 
 
 def _serve_cluster(args: argparse.Namespace) -> int:
@@ -157,6 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--auth-all-routes", action="store_true", help="require the key on /health and /metrics too")
     s.add_argument("--strict-params", action="store_true",
                    help="answer 400 to request fields outside the OpenAI schema (default: ignore them, with a warning)")
+    p = s.add_argument_group("processes")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="API server processes (HTTP, tokenizing, detokenizing) sharing the port and the engine core")
+    p.add_argument("--no-engine-process", action="store_true",
+                   help="step the engine on a thread of the API server instead of a process of its own")
+    p.add_argument("--restart-engine", action="store_true",
+                   help="start a new engine core when it dies (default: the server exits non-zero)")
+    p.add_argument("--step-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="/health answers 503 once requests have waited this long on a core that finishes no step")
     s.set_defaults(func=_serve)
     c = sub.add_parser("serve-cluster", help="serve replicas behind a segment-aware router on Ray Serve")
     _engine_args(c)

@@ -183,6 +183,7 @@ class EngineClient:
         self._call_ids = itertools.count()
         self._encode_lock = threading.Lock()
         self.dead: str | None = None
+        self.on_death: Callable[[str], None] | None = None  # the server's: exit, or start a new core
         self.steps = 0  # the core's step count, as last heard
         self.last_heard = time.monotonic()
         self._started = False
@@ -334,10 +335,22 @@ class EngineClient:
         return out
 
     def _on_dead(self, reason: str) -> None:
-        if self.dead is None:
-            self.dead = reason
-            log.error("engine core: %s", reason)
+        if self.dead is not None:
+            return
+        self.dead = reason
+        log.error("engine core: %s", reason)
         self._fail_all(EngineDeadError(reason))
+        if self.on_death is not None:
+            self.on_death(reason)
+
+    async def reconnect(self, transport: Transport, info: EngineInfo) -> None:
+        """Continue with a new core (the old one died): requests are taken again."""
+        await self.transport.close()
+        self.transport, self.info = transport, info
+        self.limits = Limits(info.vocab_size, info.max_model_len, tuple(info.sink_prefix))
+        transport.start(asyncio.get_running_loop(), self._on_output, self._on_dead)
+        self.last_heard = time.monotonic()
+        self.dead = None
 
     def _fail_all(self, error: BaseException) -> None:
         tracks, self._tracks = self._tracks, {}

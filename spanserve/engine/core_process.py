@@ -16,6 +16,7 @@ import multiprocessing.connection
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,17 @@ from spanserve.engine.wire import ENCODER, INPUTS, OUTPUTS, Input, Output, Shutd
 log = logging.getLogger("spanserve.core")
 START_TIMEOUT_S = 3600.0  # loading a large model from a slow disk
 STOP_TIMEOUT_S = 10.0
+WATCH_S = 0.2  # how often an API server that did not start the core checks that it still runs
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _identity(client: int) -> bytes:
@@ -38,7 +50,7 @@ def _identity(client: int) -> bytes:
 def core_main(make_engine: Callable[[], Any], address: str, ready: Any, log_level: str) -> None:
     """The core process: build the engine, bind, report ready (or why not), serve until told to stop."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
-    parent = os.getppid()
+    parent, checked = os.getppid(), time.monotonic()
     try:
         engine = make_engine()
     except BaseException as e:
@@ -53,8 +65,11 @@ def core_main(make_engine: Callable[[], Any], address: str, ready: Any, log_leve
     poller.register(sock, zmq.POLLIN)
 
     def receive(timeout: float | None) -> list[Input]:
-        if timeout and os.getppid() != parent:  # idle, and the API server is gone: so is our purpose
-            return [Shutdown()]
+        nonlocal checked
+        if time.monotonic() - checked > 1.0:
+            checked = time.monotonic()
+            if os.getppid() != parent:  # the API server is gone, and with it our purpose
+                return [Shutdown()]
         msgs: list[Input] = []
         wait_ms = None if timeout is None else int(timeout * 1000)
         while poller.poll(wait_ms):
@@ -77,10 +92,11 @@ class ProcessTransport(Transport):
     """Starts the core process (`launch`) or joins one by address, and carries the client's
     side of the socket on the event loop."""
 
-    def __init__(self, address: str, client_id: int = 0, process: Any = None):
+    def __init__(self, address: str, client_id: int = 0, process: Any = None, pid: int | None = None):
         self.address = address
         self.client_id = client_id
         self.process = process  # the core process, when this client started it (it is watched)
+        self.pid = pid if pid is not None else getattr(process, "pid", None)  # watched by polling otherwise
         self._sock: Any = None
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
@@ -92,7 +108,7 @@ class ProcessTransport(Transport):
         ctx = mp.get_context("spawn")
         parent_end, child_end = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=core_main, args=(make_engine, address, child_end, log_level),
-                           name="spanserve-core", daemon=True)
+                           name="spanserve-core")  # not a daemon: a TP driver starts worker processes
         proc.start()
         child_end.close()
         if not parent_end.poll(START_TIMEOUT_S):
@@ -117,7 +133,7 @@ class ProcessTransport(Transport):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.address)
         self._reader = loop.create_task(self._read(on_output))
-        if self.process is not None:
+        if self.pid is not None:
             threading.Thread(target=self._watch, args=(loop, on_dead), name="spanserve-core-watch", daemon=True).start()
 
     async def _read(self, on_output: Callable[[Output], None]) -> None:
@@ -126,9 +142,15 @@ class ProcessTransport(Transport):
             on_output(OUTPUTS.decode(data))
 
     def _watch(self, loop: asyncio.AbstractEventLoop, on_dead: Callable[[str], None]) -> None:
-        multiprocessing.connection.wait([self.process.sentinel])
+        if self.process is not None:  # our child: its sentinel tells at once
+            multiprocessing.connection.wait([self.process.sentinel])
+            code = self.process.exitcode
+        else:  # another API server's child, reaped by it when it exits
+            while not self._closing and _alive(self.pid):
+                time.sleep(WATCH_S)
+            code = None
         if not self._closing:
-            reason = f"the engine core process exited unexpectedly (exit code {self.process.exitcode})"
+            reason = "the engine core process exited unexpectedly" + (f" (exit code {code})" if code is not None else "")
             try:
                 loop.call_soon_threadsafe(on_dead, reason)
             except RuntimeError:
@@ -139,8 +161,8 @@ class ProcessTransport(Transport):
 
     async def close(self) -> None:
         self._closing = True
-        if self._sock is not None and (self.process is None or self.process.is_alive()):
-            self.send(Shutdown())
+        if self._sock is not None and self.process is not None and self.process.is_alive():
+            self.send(Shutdown())  # only the API server that started the core stops it
         if self.process is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.process.join, STOP_TIMEOUT_S)
             if self.process.is_alive():
