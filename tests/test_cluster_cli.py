@@ -25,13 +25,13 @@ def _parsed(monkeypatch: pytest.MonkeyPatch, *argv: str) -> tuple[ClusterOptions
 
 def test_engine_options_reach_every_replica(monkeypatch: pytest.MonkeyPatch) -> None:
     opts, address = _parsed(monkeypatch, "--model", "m", "--replicas", "3", "--block-size", "8",
-                            "--engine-arg", "num_blocks=128", "--engine-arg", "kv-offload={'store_url': 'redis://h:6379/0'}",
+                            "--engine-arg", "num_blocks=128", "--engine-arg", "kv-offload={'store_url': 'redis://h:6379/0', 'store_secret': 'a-secret-of-16-chars'}",
                             "--engine-arg", "reposition=eager",
                             "--address", "auto")
     assert (opts.model, opts.replicas, address) == ("m", 3, "auto")
     assert opts.engine["block_size"] == 8 and opts.engine_config().cache.block_size == 8
     assert opts.engine["num_blocks"] == 128  # literals are parsed, other text stays text
-    assert opts.engine["kv_offload"] == {"store_url": "redis://h:6379/0"}
+    assert opts.engine["kv_offload"] == {"store_url": "redis://h:6379/0", "store_secret": "a-secret-of-16-chars"}
     assert opts.engine["reposition"] == "eager"
     local, address = _parsed(monkeypatch, "--model", "m")
     assert address is None and local.replicas == 2 and local.replica_gpus is None  # None: by the device

@@ -138,7 +138,7 @@ def test_resolve_makes_every_auto_choice_with_its_reason() -> None:
 
 def test_a_resolved_config_round_trips_through_plain_data() -> None:
     cfg = EngineConfig.from_kwargs(model="/models/x", block_size=8, num_blocks=64, sink_prefix=[1, 2],
-                                   kv_offload={"cpu_bytes": 1 << 20, "store_url": "redis://h:6379/0"},
+                                   kv_offload={"cpu_bytes": 1 << 20, "store_url": "redis://h:6379/0", "store_secret": "a-secret-of-16-chars"},
                                    default_policy="sparseq", tensor_parallel_size=2).resolve(GPU)
     data = cfg.to_dict()
     assert data["model"] == {"source": "/models/x", "device": "cuda", "dtype": "bfloat16"}
@@ -215,7 +215,9 @@ def test_llm_serve_and_replicas_resolve_auto_with_one_function(platform: Platfor
     threads = torch.get_num_threads()
     try:
         for start in (lambda: LLM("m", num_blocks=32),
-                      lambda: serve(ServeOptions(EngineConfig.from_kwargs(model="m", num_blocks=32))),
+                      # the config is resolved before the core starts: here on this process's thread
+                      lambda: serve(ServeOptions(EngineConfig.from_kwargs(model="m", num_blocks=32),
+                                                 engine_process=False)),
                       lambda: EngineReplica(asdict(ClusterOptions(model="m", engine={"num_blocks": 32})))):
             with pytest.raises(_Built):
                 start()

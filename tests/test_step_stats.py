@@ -36,11 +36,13 @@ def test_engine_counts_decode_steps_and_keys(tmp_path: Path) -> None:
 def test_metrics_expose_decode_steps(tmp_path: Path) -> None:
     from tiny_models import make_tiny_model
 
+    from spanserve.engine.core import CALLS, EngineCore
     from spanserve.server.metrics import ServerMetrics
 
     llm = LLM(str(make_tiny_model("llama", tmp_path)[0]), num_blocks=32)
     llm.generate([list(range(10, 15))], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-    text = ServerMetrics(llm.engine).render().decode()
+    stats = CALLS["stats"](EngineCore(llm.engine))  # what the /metrics route asks the engine core for
+    text = ServerMetrics().render(stats).decode()
     assert 'spanserve_decode_steps_total{batch="1"} 2.0' in text
     assert 'spanserve_decode_kv_tokens_total{batch="1"} 13.0' in text  # 6 + 7 keys
     line = next(ln for ln in text.splitlines() if ln.startswith('spanserve_decode_step_seconds_total{batch="1"}'))
