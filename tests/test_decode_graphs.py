@@ -20,6 +20,7 @@ from spanserve.attention.triton.graph_decode import StaticDecode  # noqa: E402
 from spanserve.attention.triton.launch import SplitPolicy, build_layout  # noqa: E402
 from spanserve.cache.claim import Task  # noqa: E402
 from spanserve.cache.table import Entry  # noqa: E402
+from spanserve.attention.decode import DecodeRows  # noqa: E402
 from spanserve.engine.batch import decode_rows, host_plan  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
@@ -69,7 +70,7 @@ def test_fixed_buffer_decode_matches_eager_reference(tmp_path, split: int) -> No
     want = _run(ref, prompts)
     assert _run(fixed, prompts) == want
     assert graphs.replays >= 20  # every decode-only step took the fixed-buffer path
-    assert sorted(graphs.buffers) == [1, 2, 3, 4]  # one set of buffers per batch size seen
+    assert sorted(graphs.buffers) == [1, 2, 4]  # one set per padded batch size seen (3 rows pad to 4)
     assert graphs.buffers[4].static.capacity > 64
     # warm: the documents come back from the cache at new positions (non-zero deltas in decode)
     assert _run(fixed, prompts[::-1]) == _run(ref, prompts[::-1])
@@ -184,3 +185,19 @@ def test_packed_layout_alternates_host_buffers() -> None:
         assert np.array_equal(fixed.key_slots[:len(slots)].numpy(), slots)
         assert static.ids.item() == rows.ids[0] and fixed.write_slots.item() == slots[-1]
     assert seen == [0, 1, 0, 1]
+
+
+def test_graph_batch_sizes_cover_every_batch_up_to_the_largest() -> None:
+    from spanserve.worker.cuda_graphs import batch_sizes, padded
+
+    for largest in (1, 3, 16, 64, 100, 256, 512):
+        sizes = batch_sizes(largest)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == largest
+        for b in range(1, largest + 1):  # each batch pads to the smallest size that holds it
+            size = next(s for s in sizes if s >= b)
+            assert size < 2 * b or size == b == 1  # never twice the rows it holds
+    rows = DecodeRows([5, 6], [3, 9], [np.arange(4), np.arange(10)], [None, np.zeros(10, dtype=np.int64)])
+    out = padded(rows, 4, scratch_slot=77)
+    assert (out.ids, out.pos) == ([5, 6, 0, 0], [3, 9, 0, 0])
+    assert [s.tolist() for s in out.slots[2:]] == [[77], [77]] and out.deltas[2:] == [None, None]
+    assert padded(rows, 2, 77) is rows

@@ -101,10 +101,12 @@ class TPDriver:
                  self.config.num_kv_heads)
 
     # ---- engine parts ----------------------------------------------------------------------
-    def storage(self, num_blocks: int, block_size: int, backend: Any, cuda_graphs: Any) -> TPStorage:
-        """This rank's KV storage; the workers make theirs (same blocks, their heads)."""
+    def storage(self, num_blocks: int, block_size: int, backend: Any, cuda_graphs: Any,
+                max_batch: int = 256) -> TPStorage:
+        """This rank's KV storage; the workers make theirs (same blocks, their heads) and their
+        runners (graphs up to `max_batch` decode rows)."""
         with self.collective():
-            self.group.send(EngineInit(num_blocks, block_size, backend, cuda_graphs))
+            self.group.send(EngineInit(num_blocks, block_size, backend, cuda_graphs, max_batch))
         return TPStorage(self.model.config, num_blocks, block_size, self.model.dtype, self.model.device,
                          driver=self, whole=self.config)
 
@@ -112,8 +114,8 @@ class TPDriver:
         """The tiers' model identity, equal to what the same model gives at TP=1."""
         return whole_model_fingerprint(self.source, self.config, self.model.dtype, block_size, self.group.device)
 
-    def executor(self, storage: RecordingStorage, backend: Any, cuda_graphs: Any) -> "TPExecutor":
-        return TPExecutor(self, ModelRunner(self.model, storage, backend, cuda_graphs))
+    def executor(self, storage: RecordingStorage, backend: Any, cuda_graphs: Any, max_batch: int = 256) -> "TPExecutor":
+        return TPExecutor(self, ModelRunner(self.model, storage, backend, cuda_graphs, max_batch))
 
     # ---- failure ---------------------------------------------------------------------------
     @contextlib.contextmanager

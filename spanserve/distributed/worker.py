@@ -42,6 +42,7 @@ class EngineInit:
     block_size: int
     backend: Any
     cuda_graphs: Any
+    max_batch: int = 256  # the largest decode step a graph replays
 
 
 class _Consumed(dict):
@@ -78,7 +79,7 @@ def worker_main(args: WorkerArgs) -> None:
         if not isinstance(init, EngineInit):  # the driver failed before its engine was built
             return
         storage = KVStorage(model.config, init.num_blocks, init.block_size, args.dtype, group.device)
-        runner = ModelRunner(model, storage, init.backend, init.cuda_graphs)
+        runner = ModelRunner(model, storage, init.backend, init.cuda_graphs, init.max_batch)
         serve(group, runner, storage)
         runner.release_graphs()  # on a clean stop only: after a failure a collective may never finish
     finally:

@@ -139,8 +139,9 @@ def _executor(config: EngineConfig, side: LoadedSide, num_blocks: int, backend: 
     """The KV storage and the executor that steps the model over it: this device's runner, or
     the TP driver's (whose workers build theirs: same block ids, their heads)."""
     block_size, graphs = config.cache.block_size, config.runtime.cuda_graphs
+    max_batch = config.scheduler.max_num_seqs  # decode graphs up to the largest batch
     if side.tp is not None:
-        storage = side.tp.storage(num_blocks, block_size, backend, graphs)
-        return storage, side.tp.executor(storage, backend, graphs)
+        storage = side.tp.storage(num_blocks, block_size, backend, graphs, max_batch)
+        return storage, side.tp.executor(storage, backend, graphs, max_batch)
     storage = KVStorage(side.config, num_blocks, block_size, place[1], place[0])
-    return storage, ModelRunner(side.model, storage, backend, graphs)
+    return storage, ModelRunner(side.model, storage, backend, graphs, max_batch)

@@ -174,7 +174,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         pending, self._pending = self._pending, None
         sched = self.scheduler
-        if pending is not None and not next_is_chained(sched.running, bool(sched.waiting), self.pool.num_free):
+        admissible = bool(sched.waiting) and len(sched.running) < sched.max_num_seqs
+        if pending is not None and not next_is_chained(sched.running, admissible, self.pool.num_free):
             return self._settle(pending)
         schedule = sched.schedule()
         self.counters["preemptions"] += len(schedule.preempted)

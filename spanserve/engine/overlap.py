@@ -65,11 +65,11 @@ def chainable(chunks: list["Chunk"], step: StepInput, structured: list[bool], ma
             and any(may_continue(c.request, max_model_len) for c in chunks))
 
 
-def next_is_chained(running: list["Request"], waiting: bool, free_blocks: int) -> bool:
-    """The next step is exactly the placeholders' decode rows: nothing waits to be admitted,
-    every running request with work has a placeholder, and no one can be preempted (each needs
-    one block at most)."""
-    return (not waiting and free_blocks >= len(running)
+def next_is_chained(running: list["Request"], admissible: bool, free_blocks: int) -> bool:
+    """The next step is exactly the placeholders' decode rows: nothing that waits can be
+    admitted (none waits, or the batch is full), every running request with work has a
+    placeholder, and no one can be preempted (each needs one block at most)."""
+    return (not admissible and free_blocks >= len(running)
             and any(r.token_in_flight for r in running)
             and all(r.token_in_flight or r.computed for r in running))
 

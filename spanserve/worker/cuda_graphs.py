@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from spanserve.attention.decode import DecodeRows
@@ -25,15 +26,42 @@ class _Buffers:
     plan: AttentionPlan  # the model's view of it (positions, write slots); remade when it moves
 
 
+def batch_sizes(max_batch: int) -> list[int]:
+    """The batch sizes decode graphs are captured for; a step pads its rows up to the next one.
+    Powers of two to 16, then every 16 to 64, then every 32: a decode step's time is its weight
+    reads, so a few padding rows cost little, and each size is one capture."""
+    sizes = [s for s in (1, 2, 4, 8, 16) if s < max_batch]
+    step = 16
+    while not sizes or sizes[-1] < max_batch:
+        nxt = (sizes[-1] if sizes else 0) + step
+        sizes.append(min(nxt, max_batch))
+        if nxt >= 64:
+            step = 32
+    return sizes
+
+
+def padded(rows: DecodeRows, size: int, scratch_slot: int) -> DecodeRows:
+    """`rows` and size - len(rows) padding rows: token 0 at position 0, its one key at the
+    storage's scratch slot (nothing reads what they compute)."""
+    n = size - len(rows)
+    if n <= 0:
+        return rows
+    slot = np.array([scratch_slot], dtype=np.int64)
+    return DecodeRows(rows.ids + [0] * n, rows.pos + [0] * n, rows.slots + [slot] * n, rows.deltas + [None] * n)
+
+
 class DecodeGraphs:
     """`capture=False` runs the same fixed-buffer forward without a graph (CPU tests of the
-    buffer path; a debugging aid on GPUs)."""
+    buffer path; a debugging aid on GPUs). With `scratch_slot` (the KV storage's), a step's rows
+    are padded up to one of `batch_sizes(max_batch)`; without, each batch size has its graphs."""
 
     def __init__(self, model: LlamaModel, backend: Any, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                 max_batch: int = 64, capture: bool = True):
+                 max_batch: int = 64, capture: bool = True, scratch_slot: int | None = None):
         self.model, self.backend = model, backend
         self.k_caches, self.v_caches = k_caches, v_caches
         self.max_batch = max_batch
+        self.scratch_slot = scratch_slot
+        self.sizes = batch_sizes(max_batch)
         self.capture = capture
         self.block_n: int = backend.decode_cfg.block_n  # keys per tile of the decode launch
         self.buffers: dict[int, _Buffers] = {}
@@ -43,9 +71,13 @@ class DecodeGraphs:
         self.capacity = 1 << 14  # initial keys per batch size's buffers (they grow by doubling)
 
     def run(self, rows: DecodeRows, feed: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        """Hidden states [B, hidden] of a decode-only step of 1..max_batch rows (the runner's
-        `attention.paths.step_path` sends only those here). `feed` fills the input ids buffer on the
-        device after the host arrays land (a step chained on the previous one's picks)."""
+        """Hidden states [B', hidden] of a decode-only step of B = 1..max_batch rows (the runner's
+        `attention.paths.step_path` sends only those here); rows past B are padding. `feed` fills
+        the first B input ids on the device after the host arrays land (a step chained on the
+        previous one's picks)."""
+        real = len(rows)
+        if self.scratch_slot is not None:
+            rows = padded(rows, next(s for s in self.sizes if s >= real), self.scratch_slot)
         B = len(rows)
         buf = self.buffers.get(B)
         if buf is None:
@@ -58,7 +90,7 @@ class DecodeGraphs:
             for key in [k for k in self.graphs if k[0] == B]:
                 del self.graphs[key]
         if feed is not None:
-            feed(buf.static.ids)
+            feed(buf.static.ids[:real])
         self.replays += 1
         if not self.capture:
             out = self._forward(buf, buf.plan, lay)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 from typing import Callable
 
+import numpy as np
 import torch
 
 from spanserve.attention.backend import AttentionBackend
@@ -21,31 +22,35 @@ from spanserve.worker.storage import KVStorage
 
 
 def device_plan(hp: HostPlan, device: torch.device) -> tuple[torch.Tensor, AttentionPlan]:
-    """(input ids, plan) on the device."""
+    """(input ids, plan) on the device: every array of the step in one host-to-device copy (a
+    step of 256 rows has over a thousand of them), the rows' tensors views of it."""
+    parts: list[np.ndarray] = [hp.ids, hp.positions, hp.write_slots]
+    for h in hp.rows:
+        parts += [a for a in (h.q_pos, h.key_slots, h.key_delta, h.anchor_end, h.seg_start) if a is not None]
+    flat = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False)).to(device)
+    views = iter(flat.split([len(a) for a in parts]))
+    ids, positions, write_slots = next(views), next(views), next(views)
     rows: list[Row] = []
     start = 0
     for h in hp.rows:
         nq = len(h.q_pos)
-        rows.append(Row(
-            q_start=start, q_end=start + nq, q_pos=torch.from_numpy(h.q_pos).to(device),
-            key_slots=torch.from_numpy(h.key_slots).to(device),
-            key_delta=None if h.key_delta is None else torch.from_numpy(h.key_delta).to(device),
-            anchor_end=None if h.anchor_end is None else torch.from_numpy(h.anchor_end).to(device),
-            seg_start=None if h.seg_start is None else torch.from_numpy(h.seg_start).to(device),
-            host=h,
-        ))
+        q_pos, key_slots = next(views), next(views)
+        rows.append(Row(q_start=start, q_end=start + nq, q_pos=q_pos, key_slots=key_slots,
+                        key_delta=None if h.key_delta is None else next(views),
+                        anchor_end=None if h.anchor_end is None else next(views),
+                        seg_start=None if h.seg_start is None else next(views), host=h))
         start += nq
-    plan = AttentionPlan(rows, torch.from_numpy(hp.positions).to(device), torch.from_numpy(hp.write_slots).to(device))
-    return torch.from_numpy(hp.ids).to(device), plan
+    return ids, AttentionPlan(rows, positions, write_slots)
 
 
 class ModelRunner(Executor):
     """One device's executor, and what each tensor-parallel rank runs on its shard."""
 
     def __init__(self, model: LlamaModel, storage: KVStorage, backend: AttentionBackend,
-                 graphs: "bool | str" = "auto"):
+                 graphs: "bool | str" = "auto", max_batch: int = 256):
         """graphs: decode steps as CUDA graphs; "auto" = on a CUDA device with a backend that has
-        fixed-address layouts; "eager" = the fixed-address path without capture (tests)."""
+        fixed-address layouts; "eager" = the fixed-address path without capture (tests).
+        max_batch: the largest decode step a graph replays (the scheduler's max_num_seqs)."""
         self.model = model
         self.storage = storage
         self.backend = backend
@@ -56,7 +61,8 @@ class ModelRunner(Executor):
         self.step_graphs: StepGraphs | None = None
         capable = hasattr(backend, "static_decode")
         if capable and (graphs == "eager" or (graphs in ("auto", True) and model.device.type == "cuda")):
-            self.graphs = DecodeGraphs(model, backend, self.k_caches, self.v_caches, capture=graphs != "eager")
+            self.graphs = DecodeGraphs(model, backend, self.k_caches, self.v_caches, max_batch,
+                                       capture=graphs != "eager", scratch_slot=storage.scratch_slot)
             self.step_graphs = StepGraphs(model, backend, self.k_caches, self.v_caches, self.graphs.pool,
                                           capture=graphs != "eager")
 

@@ -14,12 +14,17 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 
 class KVStorage:
+    """`num_blocks` blocks for the pool, and one more no request ever holds: its first slot is
+    `scratch_slot`, where the padding rows of a CUDA-graph step write and read (their results
+    are thrown away)."""
+
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.scratch_slot = num_blocks * block_size
         self._upload_stream: "torch.cuda.Stream | None" = None  # write_blocks's host-to-device copies
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
