@@ -49,7 +49,8 @@ class Task:
     recompute: Any = None  # reuse.recompute.RecomputeSpec: a policy recomputes reused tokens
     anchor_end: int | None = None  # plus-segment mask form; None = causal
     seg_start: int | None = None
-    _slots: Any = field(default=None, repr=False)
+    _slots: Any = field(default=None, repr=False)  # a buffer with room to grow; `slots` is its first _n
+    _n: int = field(default=0, repr=False)
     _deltas: Any = field(default=False, repr=False)  # False: not computed yet (None is a value)
 
     @property
@@ -57,7 +58,8 @@ class Task:
         """numpy int64 array: the flat slot of every position of this task's row."""
         if self._slots is None:
             self._slots = slot_array(self.entries, self.block_size)
-        return self._slots
+            self._n = len(self._slots)
+        return self._slots[:self._n]
 
     @property
     def deltas(self) -> Any:
@@ -102,10 +104,13 @@ class Task:
         """`table` covers `added` more positions at its end, every earlier one as before (decode
         growth): the cached slots are extended, not rebuilt from every entry, which would cost
         O(context) per request per step; all-zero deltas stay None while the new keys are too."""
-        slots, deltas = self._slots, self._deltas
+        slots, n, deltas = self._slots, self._n, self._deltas
         self.set_entries(table)
-        if slots is not None:
-            self._slots = np.concatenate([slots, tail_slots(table, added, self.block_size)])
+        if slots is not None:  # appended in place, the buffer doubled when full: O(added) a step
+            if n + added > len(slots):
+                slots = np.concatenate([slots[:n], np.empty(max(n + added, 2 * n), dtype=np.int64)])
+            slots[n:n + added] = tail_slots(table, added, self.block_size)
+            self._slots, self._n = slots, n + added
         if deltas is None and not table[-min(len(table), added):, 1].any():
             self._deltas = None
 

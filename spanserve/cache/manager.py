@@ -230,7 +230,8 @@ class CacheManager:
         task = req.main
         u = req.units[-1]
         bs = self.block_size
-        need = len(task.tokens) - (u.start + sum(u.n_valid))
+        # every block of a unit but its last is full: its length without summing (per step, per row)
+        need = len(task.tokens) - (u.start + (len(u.n_valid) - 1) * bs + u.n_valid[-1])
         if need <= 0:
             return True
         grow = min(need, bs - u.n_valid[-1])
@@ -251,7 +252,11 @@ class CacheManager:
         # rather than rebuilt from every block each decode step, unless it is not that table
         if (isinstance(old, np.ndarray) and n_old and len(old) == sum(len(x.blocks) for x in req.units) - n_new
                 and old[-1, 0] == u.blocks[n_old - 1].id and old[-1, 2] + grow == u.n_valid[n_old - 1]):
-            task.extend_entries(grown(old, grow, u.blocks[n_old:], u.delta, u.n_valid[n_old:]), added)
+            if n_new:
+                task.extend_entries(grown(old, grow, u.blocks[n_old:], u.delta, u.n_valid[n_old:]), added)
+            else:  # the last block took the new tokens: the table is the task's own, grown in place
+                old[-1, 2] += grow
+                task.extend_entries(old, added)
         else:
             task.set_entries(self.entries(req.units))
         return True
@@ -264,6 +269,14 @@ class CacheManager:
         main_tasks = [t for t in req.tasks if t.main]
         upto = computed_upto(main_tasks)
         bs = self.block_size
+        # Nothing new to offer since the last call (a decode step inside a block, the common case):
+        # the row moved within one block of its final unit, every earlier unit was settled at the
+        # last call, and no task finished since.
+        mark, last, end = (upto, sum(1 for t in req.tasks if t.todo)), req.publish_mark, req.units[-1].start
+        if (not tail and last is not None and last[1] == mark[1] and end <= last[0]
+                and (last[0] - end) // bs == (upto - end) // bs):
+            return
+        req.publish_mark = mark
         through: list[Block] = []  # standalone-segment blocks published now, for the remote store
         for u in req.units + req.sources:
             if u.final:

@@ -103,6 +103,7 @@ class Holding:
     sources: list[Unit] = field(default_factory=list)
     tasks: list[Task] = field(default_factory=list)
     reuse: dict[str, int] = field(default_factory=_no_reuse)
+    publish_mark: tuple[int, int] | None = None  # at CacheManager.publish's last call: row computed to, tasks with work
 
     @property
     def main(self) -> Task:
