@@ -25,7 +25,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=_size, default=None,
                    help="bytes for the KV pool, e.g. 1073741824, 512MiB or 2GB (default: 1 GiB on CPU)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests in the running batch (default: 256 on a GPU, fewer if the KV pool is small; 64 on a CPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + generated tokens")
     p.add_argument("--default-policy", default="none", choices=["none", "full"],
                    help="recomputation policy for span layouts that name none (full = read everything causally)")

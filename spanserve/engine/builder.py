@@ -29,6 +29,7 @@ from spanserve.worker.runner import ModelRunner
 from spanserve.worker.storage import KVStorage, bytes_per_block
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MIN_CONTEXT = 1024  # tokens of KV pool per running request when the batch is sized from memory
 CPU_KV_BYTES = 1 << 30  # the KV pool on a CPU when neither num_blocks nor kv_cache_memory is given
 FREE_SHARE = 0.8  # of free GPU memory (the tightest rank's under TP) for the KV pool by default
 
@@ -81,13 +82,22 @@ def build(config: EngineConfig) -> EngineParts:
         tiers = TierStack(OffloadConfig.of(cache.kv_offload), storage, shape, side.fingerprint)
     pool = BlockPool(num_blocks, on_evict=tiers.on_evict if tiers else None)
     manager = CacheManager(pool, storage, block_size, cache.reposition, side.model.rotary, tiers)
-    scheduler = Scheduler(manager, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
+    scheduler = Scheduler(manager, max_num_seqs(config, num_blocks), config.scheduler.max_num_batched_tokens)
     grammars = Grammars(side.tokenizer, side.config.vocab_size, eos_token_ids(side.config, side.tokenizer))
     sink = tuple(cache.sink_prefix) if cache.sink_prefix is not None else layout_sink_prefix(side.tokenizer)
     limit = min(side.config.max_position_embeddings, num_blocks * block_size)
     max_model_len = min(config.scheduler.max_model_len or limit, limit)
     return EngineParts(device, dtype, side, storage, tiers, pool, manager, scheduler, executor, Sampler(), grammars,
                        sink, max_model_len)
+
+
+def max_num_seqs(config: EngineConfig, num_blocks: int) -> int:
+    """The running batch: as asked, or on a GPU by default as many as the KV pool holds at
+    MIN_CONTEXT tokens each (an 8B model on an 80 GB GPU holds ~350k tokens: the full 256)."""
+    asked = config.scheduler.max_num_seqs
+    if config.reasons.get("max_num_seqs") != "auto: CUDA":
+        return asked
+    return max(1, min(asked, num_blocks * config.cache.block_size // MIN_CONTEXT))
 
 
 def eos_token_ids(config: ModelConfig, tokenizer: Any) -> set[int]:
@@ -139,7 +149,7 @@ def _executor(config: EngineConfig, side: LoadedSide, num_blocks: int, backend: 
     """The KV storage and the executor that steps the model over it: this device's runner, or
     the TP driver's (whose workers build theirs: same block ids, their heads)."""
     block_size, graphs = config.cache.block_size, config.runtime.cuda_graphs
-    max_batch = config.scheduler.max_num_seqs  # decode graphs up to the largest batch
+    max_batch = max_num_seqs(config, num_blocks)  # decode graphs up to the largest batch
     if side.tp is not None:
         storage = side.tp.storage(num_blocks, block_size, backend, graphs, max_batch)
         return storage, side.tp.executor(storage, backend, graphs, max_batch)

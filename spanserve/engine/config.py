@@ -21,6 +21,12 @@ from spanserve.engine.config_checks import check_config
 from spanserve.engine.runtime import Platform, Runtime, RuntimeRequest, detect_platform, resolve_runtime
 
 
+# The running batch when none is asked for: a GPU's decode step costs its weight reads whatever the
+# batch (up to a few hundred rows), so a large batch is nearly free throughput; a CPU's grows with it.
+GPU_MAX_NUM_SEQS = 256
+CPU_MAX_NUM_SEQS = 64
+
+
 @dataclass(frozen=True)
 class ModelOptions:
     # a name (smollm2), a .gguf file or Hugging Face directory; in process also a LoadedModel or
@@ -43,7 +49,8 @@ class CacheOptions:
 
 @dataclass(frozen=True)
 class SchedulerOptions:
-    max_num_seqs: int = 64  # requests in the running batch
+    max_num_seqs: int | None = None  # requests in the running batch; None: 256 on a GPU (fewer if the
+    # KV pool is small, engine/builder.py), 64 on a CPU
     max_num_batched_tokens: int = 2048  # tokens per step (the chunked-prefill budget)
     max_model_len: int | None = None  # prompt + generated tokens; None: the model's, within the pool
     default_policy: Any = "none"  # recomputation policy for requests naming none (name or Policy)
@@ -154,7 +161,12 @@ class EngineConfig:
         if rt.cuda_graphs not in ("auto", False):  # True or "eager": asked for by name
             graphs, reasons["cuda_graphs"] = rt.cuda_graphs, "explicit"
         offload = OffloadConfig.of(self.cache.kv_offload)
-        return replace(self, model=replace(self.model, device=run.device, dtype=run.dtype),
+        sched = self.scheduler
+        if sched.max_num_seqs is None:
+            gpu = run.device.startswith("cuda")
+            sched = replace(sched, max_num_seqs=GPU_MAX_NUM_SEQS if gpu else CPU_MAX_NUM_SEQS)
+            reasons["max_num_seqs"] = "auto: " + ("CUDA" if gpu else "CPU")
+        return replace(self, model=replace(self.model, device=run.device, dtype=run.dtype), scheduler=sched,
                        cache=replace(self.cache, kv_offload=asdict(offload) if offload and offload.enabled else None),
                        runtime=replace(rt, backend=obj or run.attention_backend, cuda_graphs=graphs,
                                        fused_ops="on" if run.fused_ops else "off"),
