@@ -7,6 +7,8 @@ at the bottom check the harness itself, so a broken fixture fails here first and
 from __future__ import annotations
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -96,8 +98,8 @@ def run_server(model: str | None, log_dir: Path, *extra: str, timeout: float = 1
     model_args = ["--model", model] if model is not None else []
     cmd = [sys.executable, "-m", "spanserve.cli", "serve", *model_args, "--port", str(port), *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    with open(log, "wb") as fh:  # a session of its own: its processes (core, API servers) are one group
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
     server = ServerProcess(proc, port, log)
     try:
         deadline = time.monotonic() + timeout
@@ -114,12 +116,47 @@ def run_server(model: str | None, log_dir: Path, *extra: str, timeout: float = 1
             time.sleep(0.2)
         yield server
     finally:
+        _signal_group(proc.pid, signal.SIGCONT)  # a test may have stopped a process of it
         proc.terminate()
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        _signal_group(proc.pid, signal.SIGKILL)  # whatever outlived the server
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def spawned_children(pid: int) -> list[int]:
+    """Processes that `pid` started with multiprocessing's spawn (engine core, API servers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == pid and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def core_pid(server: ServerProcess) -> int:
+    """The engine core of a `spanserve serve` started with the core in its own process: the pid
+    its log names, checked to be a spawned child of the server."""
+    pids = re.findall(r"engine core \(pid (\d+)\)", server.log_text())
+    assert pids, f"no engine core process in the log:\n{server.log_text()}"
+    pid = int(pids[-1])
+    assert pid in spawned_children(server.proc.pid), f"engine core {pid} is not a child of the server"
+    return pid
 
 
 def metric(text: str, name: str) -> float:
