@@ -6,6 +6,7 @@ at the bottom check the harness itself, so a broken fixture fails here first and
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -91,8 +93,9 @@ class ServerProcess:
 
 @contextmanager
 def run_server(model: str | None, log_dir: Path, *extra: str, timeout: float = 120.0) -> Iterator[ServerProcess]:
-    """`spanserve serve` in a subprocess (model None = the CLI's default); yields once /health
-    answers, stops it on exit."""
+    """`spanserve serve` in a subprocess (model None = the CLI's default), its engine core in a
+    process of its own unless `extra` says --no-engine-process; yields once /health answers, stops
+    it and every process it started on exit."""
     port = free_port()
     log = log_dir / f"server-{port}.log"
     model_args = ["--model", model] if model is not None else []
@@ -114,6 +117,8 @@ def run_server(model: str | None, log_dir: Path, *extra: str, timeout: float = 1
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server did not come up in {timeout} s:\n{server.log_text()}")
             time.sleep(0.2)
+        if "--no-engine-process" not in extra:  # every server test goes through the process boundary
+            core_pid(server)
         yield server
     finally:
         _signal_group(proc.pid, signal.SIGCONT)  # a test may have stopped a process of it
@@ -151,12 +156,39 @@ def spawned_children(pid: int) -> list[int]:
 
 def core_pid(server: ServerProcess) -> int:
     """The engine core of a `spanserve serve` started with the core in its own process: the pid
-    its log names, checked to be a spawned child of the server."""
+    its log names (at log level info), checked to be a spawned child of the server; else its one
+    spawned child."""
+    children = spawned_children(server.proc.pid)
     pids = re.findall(r"engine core \(pid (\d+)\)", server.log_text())
-    assert pids, f"no engine core process in the log:\n{server.log_text()}"
+    if not pids:
+        assert len(children) == 1, f"no engine core process among {children}:\n{server.log_text()}"
+        return children[0]
     pid = int(pids[-1])
-    assert pid in spawned_children(server.proc.pid), f"engine core {pid} is not a child of the server"
+    assert pid in children, f"engine core {pid} is not a child of the server ({children})"
     return pid
+
+
+@contextmanager
+def app_client(model: str, config: Any, process: bool = False, **engine: Any) -> Iterator[Any]:
+    """A TestClient of `create_app` over an engine of `model` (CPU, float32, options `engine`)
+    whose core steps on a thread of this process, or in a process of its own (`process`), as
+    `spanserve serve` runs it; the app's lifespan starts and stops either."""
+    from starlette.testclient import TestClient
+
+    from spanserve.engine.config import EngineConfig
+    from spanserve.engine.core_process import process_client
+    from spanserve.engine.engine import LLMEngine
+    from spanserve.model.loader import load_tokenizer
+    from spanserve.server.app import create_app
+
+    engine_config = EngineConfig.from_kwargs(model=model, **{"device": "cpu", "dtype": "float32", **engine})
+    if process:
+        target: Any = process_client(functools.partial(LLMEngine, engine_config), load_tokenizer(model),
+                                     config.max_pending, log_level="warning")
+    else:
+        target = LLMEngine(engine_config)
+    with TestClient(create_app(target, config), raise_server_exceptions=False) as client:
+        yield client
 
 
 def metric(text: str, name: str) -> float:

@@ -142,6 +142,10 @@ def core_main(make_engine: Callable[[], Any], address: str, ready: Any, log_leve
         engine.shutdown()
         sock.close()
         _remove_socket_dir(address)
+    # Stopped as asked, with the engine shut down (its workers stopped, its tiers flushed): what
+    # is left is the interpreter's teardown of torch and friends, a second its parent waits on.
+    logging.shutdown()
+    os._exit(0)
 
 
 def _await_ready(conn: Any, proc: BaseProcess) -> bytes:
