@@ -2,7 +2,7 @@
 dies ends every stream with an error, new requests get 503 and the server exits non-zero (or
 starts a new core with --restart-engine); a client that disconnects has its request aborted in
 the core; /health follows the core's step heartbeat; several API servers share one port and one
-core."""
+core, and the death of any process stops them all."""
 from __future__ import annotations
 
 import json
@@ -171,18 +171,24 @@ def _zombie(pid: int) -> bool:
         return True
 
 
+def wait_for_both(url: str) -> dict[str, int]:
+    """Completions until both API servers have answered: how many each answered."""
+    servers: dict[str, int] = {}
+
+    def complete() -> None:
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3,
+                                                      "ignore_eos": True}, timeout=30)
+        assert r.status_code == 200, r.text
+        name = r.headers["x-spanserve-api-server"]
+        servers[name] = servers.get(name, 0) + 1
+
+    wait_for(lambda: complete() or len(servers) == 2, 60, "answers from both API servers")
+    return servers
+
+
 def test_api_servers_share_the_port_and_the_core(tiny: Path) -> None:
     with run_server(str(tiny), tiny.parent, *SERVE, "--api-server-count", "2") as srv:
-        servers: dict[str, int] = {}  # API server index -> requests it answered
-
-        def complete() -> None:
-            r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3,
-                                                              "ignore_eos": True}, timeout=30)
-            assert r.status_code == 200, r.text
-            name = r.headers["x-spanserve-api-server"]
-            servers[name] = servers.get(name, 0) + 1
-
-        wait_for(lambda: complete() or len(servers) == 2, 60, "answers from both API servers")
+        servers = wait_for_both(srv.url)
         sent = sum(servers.values())
         core_counts, own = {}, {}
         while len(core_counts) < 2:  # each server's page: the core's count, and its own
@@ -201,3 +207,16 @@ def test_api_servers_share_the_port_and_the_core(tiny: Path) -> None:
         assert time.monotonic() - killed < EXIT_S and code != 0, (code, srv.log_text())
         assert not Path(f"/proc/{api}").exists()
         assert "API server 1 exited with code 1" in srv.log_text(), srv.log_text()
+
+
+def test_a_dead_api_server_stops_the_others_and_the_core(tiny: Path) -> None:
+    with run_server(str(tiny), tiny.parent, *SERVE, "--api-server-count", "2") as srv:
+        wait_for_both(srv.url)
+        core = core_pid(srv)
+        (api,) = set(spawned_children(srv.proc.pid)) - {core}
+        os.kill(api, signal.SIGKILL)
+        killed = time.monotonic()
+        code = srv.proc.wait(timeout=EXIT_S + 10)
+        assert time.monotonic() - killed < EXIT_S and code != 0, (code, srv.log_text())
+        assert not Path(f"/proc/{core}").exists()
+        assert "API server 1 exited unexpectedly (exit code -9)" in srv.log_text(), srv.log_text()

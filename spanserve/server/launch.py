@@ -6,12 +6,13 @@ import asyncio
 import functools
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import signal
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,7 +118,7 @@ def serve(opts: ServeOptions) -> int:
     # With several, the API servers stop first and the core last, here.
     client = core.client(tokenizer, 0, owner=not workers, max_pending=config.max_pending)
     try:
-        code = run_api(opts, client, config, relaunch=make if opts.restart_engine else None)
+        code = run_api(opts, client, config, relaunch=make if opts.restart_engine else None, others=workers)
     finally:
         # a dead core: the other API servers see it too and stop by themselves, non-zero
         failed = _stop_api_servers(workers, NOTICE_S if not core.process.is_alive() else 0.0)
@@ -142,10 +143,10 @@ def server_config(opts: ServeOptions, engine_config: EngineConfig) -> ServerConf
 
 
 def run_api(opts: ServeOptions, engine: "LLMEngine | EngineClient", config: ServerConfig,
-            relaunch: Any = None, index: int = 0) -> int:
+            relaunch: Any = None, index: int = 0, others: Sequence[Any] = ()) -> int:
     """One API server (number `index`) over `engine` until it stops: 0, 130 on Ctrl-C, 1 if it
-    never came up or its engine core died (without `relaunch`, the core's factory to start a new
-    one with)."""
+    never came up, its engine core died (without `relaunch`, the core's factory to start a new
+    one with) or one of the `others` API server processes exited."""
     import uvicorn
 
     from spanserve.engine.client import EngineClient
@@ -159,6 +160,9 @@ def run_api(opts: ServeOptions, engine: "LLMEngine | EngineClient", config: Serv
     client = app.state.ctx.engine
     if isinstance(engine, EngineClient):
         client.on_death = functools.partial(_on_core_death, server, client, died, relaunch, opts.log_level)
+    if others:
+        threading.Thread(target=_watch_api_servers, args=(others, server, died), name="spanserve-api-watch",
+                         daemon=True).start()
     url = f"http://{opts.host}:{opts.port}"
     log.info("serving %r at %s/v1 (metrics at %s/metrics)", config.served_model_name, url, url)
     log.info("access: %s; unknown request fields: %s",
@@ -218,6 +222,20 @@ def _on_core_death(server: Any, client: "EngineClient", died: list[str], relaunc
         log.info("a new engine core (pid %d) serves requests", core.pid)
 
     threading.Thread(target=start, name="spanserve-core-restart", daemon=True).start()
+
+
+def _watch_api_servers(others: Sequence[Any], server: Any, died: list[str]) -> None:
+    """An API server that exits while this one serves stops this one too (and so the core), as
+    a dead core does: a supervisor then restarts the whole, rather than a part silently gone."""
+    gone = multiprocessing.connection.wait([w.sentinel for w in others])
+    if server.should_exit:  # stopping anyway
+        return
+    w = next(w for w in others if w.sentinel in gone)
+    w.join(1.0)
+    died.append(f"{w.name} exited")
+    log.error("API server %s exited unexpectedly (exit code %s): the server stops", w.name.rsplit("-", 1)[1],
+              w.exitcode)
+    server.should_exit = True
 
 
 def _named(app: Any, index: int) -> Any:
