@@ -110,7 +110,7 @@ def test_health_follows_the_core_step_heartbeat(restarting: ServerProcess) -> No
     try:
         waiting.start()
         took = wait_for(lambda: health(url).status_code == 503, STEP_TIMEOUT_S + 5, "/health 503 on a stalled core")
-        assert took >= STEP_TIMEOUT_S - 0.6  # the core's last word came at most a heartbeat before it stopped
+        assert took >= STEP_TIMEOUT_S / 2  # not at once: the core spoke a heartbeat or so before it stopped
         r = health(url)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stalled", r.text
         m = httpx.get(f"{url}/metrics", timeout=10)  # a scrape does not hang on a wedged core
@@ -125,21 +125,22 @@ def test_health_follows_the_core_step_heartbeat(restarting: ServerProcess) -> No
 
 def test_disconnect_aborts_the_request_in_the_core(restarting: ServerProcess) -> None:
     url = restarting.url
-    steps_before = health(url).json()["steps"]
+    finished = "spanserve_engine_requests_finished_total"  # by the core; an abort does not count
+    before = httpx.get(f"{url}/metrics").text
     with httpx.stream("POST", f"{url}/v1/completions", json=LONG, timeout=30) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: {")
-    # the core runs no request, holds no block for one, and stepped far fewer times than the
-    # request would have needed to finish by length
+
     def idle() -> bool:
         text = httpx.get(f"{url}/metrics").text
         return (metric(text, "spanserve_requests_running") == 0
                 and metric(text, "spanserve_kv_blocks_free") == metric(text, "spanserve_kv_blocks_total"))
 
     wait_for(idle, 10, "the core idle after the client left")
-    text = httpx.get(f"{url}/metrics").text
-    assert metric(text, 'spanserve_requests_finished_total{reason="abort"}') >= 1
-    assert health(url).json()["steps"] - steps_before < LONG["max_tokens"] // 2
+    after = httpx.get(f"{url}/metrics").text
+    aborted = 'spanserve_requests_finished_total{reason="abort"}'
+    assert metric(after, aborted) == (metric(before, aborted) if aborted in before else 0) + 1
+    assert metric(after, finished) == metric(before, finished)  # the core never ran it to its length
 
 
 def test_restart_engine_serves_again_and_the_core_outlives_no_server(restarting: ServerProcess) -> None:
