@@ -105,7 +105,7 @@ def test_health_follows_the_core_step_heartbeat(restarting: ServerProcess) -> No
 
     done: list[httpx.Response] = []
     waiting = threading.Thread(target=lambda: done.append(httpx.post(
-        f"{url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3}, timeout=60)))
+        f"{url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3}, timeout=60)), daemon=True)
     os.kill(core, signal.SIGSTOP)
     try:
         waiting.start()

@@ -81,11 +81,11 @@ class _Receiver:
     decode is logged and dropped (a client's bug must not take the core down); SIGTERM and a
     vanished parent read as Shutdown."""
 
-    def __init__(self, sock: zmq.Socket):
+    def __init__(self, sock: zmq.Socket, parent: int):
         self.sock = sock
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
-        self.parent, self.checked = os.getppid(), time.monotonic()
+        self.parent, self.checked = parent, time.monotonic()
         self.stopping = False
 
     def __call__(self, timeout: float | None) -> list[Input]:
@@ -118,8 +118,7 @@ def core_main(make_engine: Callable[[], Any], address: str, ready: Any, log_leve
     # Ctrl-C reaches the whole process group; the parent stops the API servers, then the core.
     # (A Python handler, not SIG_IGN, which processes this one starts would inherit.)
     signal.signal(signal.SIGINT, lambda *_: None)
-    stop_early: list[bool] = []
-    signal.signal(signal.SIGTERM, lambda *_: stop_early.append(True))
+    parent = os.getppid()
     try:
         engine = make_engine()
     except BaseException as e:
@@ -129,8 +128,8 @@ def core_main(make_engine: Callable[[], Any], address: str, ready: Any, log_leve
     sock = _socket(zmq.Context.instance(), zmq.ROUTER)
     try:
         sock.bind(address)
-        receive = _Receiver(sock)
-        receive.stopping = bool(stop_early)
+        receive = _Receiver(sock, parent)
+        # SIGTERM (until now: die at once) lets the step finish and the engine shut down
         signal.signal(signal.SIGTERM, lambda *_: setattr(receive, "stopping", True))
         ready.send(("ready", ENCODER.encode(core.info())))
 
