@@ -25,6 +25,7 @@ from spanserve.engine.config import EngineConfig
 from spanserve.engine.core_process import CoreProcess
 from spanserve.engine.engine import LLMEngine
 from spanserve.engine.inproc import inproc_client
+from spanserve.engine.layout import Segment
 from spanserve.engine.prepare import Prepared
 from spanserve.engine.wire import ENCODER, Add, Call
 from spanserve.model.loader import load_tokenizer
@@ -103,6 +104,34 @@ def test_generate_streams_progress_and_matches_offline(connect: Connect, tiny: P
     assert len(seen[-1]) == 12
     offline = LLM(str(tiny), **ENGINE).generate(PROMPT, params)[0]
     assert seen[-1] == offline.token_ids
+
+
+@pytest.mark.parametrize("policy", ["none", "cacheblend"])
+def test_span_layout_matches_offline(connect: Connect, tiny: Path, policy: str) -> None:
+    """A span layout (plus segments, an anchor, a policy) crosses to the core as it is: cold and
+    then warm, tokens and logprobs equal the offline engine's, which the dense oracle checks
+    (test_span_layouts.py)."""
+    docs = ["All that glitters is not gold.", "A journey of a thousand miles begins with a single step."]
+    layout = [Segment(text="Compare:", kind="cross")] + [Segment(text=d, kind="plus", anchor="prefix") for d in docs]
+    layout.append(Segment(text=" Which one is wiser?"))
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)
+    salt = f"layout-{policy}-{next(_client_ids)}"  # cold in a core other tests share
+
+    async def body(aeng: EngineClient) -> list[Any]:
+        outs = []
+        for i in range(2):
+            (stream,) = await aeng.add_requests([RequestSpec(layout, params, f"layout-{i}", salt, policy)])
+            outs.append([o async for o in stream][-1])
+        return outs
+
+    cold, warm = run(connect, body)
+    offline = LLM(str(tiny), **ENGINE).generate(layout, params, policy=policy)[0]
+    assert warm.metrics["reuse"]["computed"] < cold.metrics["reuse"]["computed"] == len(cold.prompt_token_ids)
+    for served in (cold, warm):
+        assert served.token_ids == offline.token_ids
+        for a, b in zip(served.logprobs, offline.logprobs, strict=True):
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert a.top.keys() == b.top.keys()
 
 
 def test_value_error_surfaces_before_streaming_and_batch_is_all_or_nothing(connect: Connect) -> None:
@@ -298,7 +327,7 @@ def test_core_death_fails_streams_calls_and_requests_waiting_on_a_grammar(tiny: 
             await asyncio.sleep(0.01)
         return "{}"
 
-    aeng = core.client(load_tokenizer(str(tiny)), compile_grammar=compile_then_kill)
+    aeng = core.client(load_tokenizer(str(tiny)), owner=True, compile_grammar=compile_then_kill)
 
     async def body() -> None:
         aeng.start()

@@ -268,9 +268,11 @@ class ProcessTransport(Transport):
     def _watch(self, loop: asyncio.AbstractEventLoop, on_dead: Callable[[str], None]) -> None:
         code = None
         if self.process is not None:
-            multiprocessing.connection.wait([self.process.sentinel])
-            self.process.join(1.0)  # the sentinel closes a moment before the exit status is there
-            code = self.process.exitcode
+            while not self._closing and not multiprocessing.connection.wait([self.process.sentinel], WATCH_S):
+                pass
+            if self.owner and not self._closing:  # only the owner reaps it: two threads that wait
+                self.process.join(1.0)  # for one child race, and the loser reads no exit code
+                code = self.process.exitcode
         else:
             while not self._closing and alive(self.pid):  # type: ignore[arg-type]
                 time.sleep(WATCH_S)
