@@ -205,7 +205,7 @@ def test_serve_logs_what_it_chose(tiny: str, caplog: pytest.LogCaptureFixture,
     from spanserve.server.launch import ServeOptions, serve
 
     ran = []
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self: ran.append(self))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: ran.append(self))
     with caplog.at_level("INFO", logger="spanserve"):
         opts = ServeOptions(EngineConfig.from_kwargs(model=tiny, kv_cache_memory=1 << 21))
         assert serve(opts) == 1  # never started

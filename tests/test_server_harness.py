@@ -6,7 +6,10 @@ at the bottom check the harness itself, so a broken fixture fails here first and
 """
 from __future__ import annotations
 
+import functools
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -89,15 +93,16 @@ class ServerProcess:
 
 @contextmanager
 def run_server(model: str | None, log_dir: Path, *extra: str, timeout: float = 120.0) -> Iterator[ServerProcess]:
-    """`spanserve serve` in a subprocess (model None = the CLI's default); yields once /health
-    answers, stops it on exit."""
+    """`spanserve serve` in a subprocess (model None = the CLI's default), its engine core in a
+    process of its own unless `extra` says --no-engine-process; yields once /health answers, stops
+    it and every process it started on exit."""
     port = free_port()
     log = log_dir / f"server-{port}.log"
     model_args = ["--model", model] if model is not None else []
     cmd = [sys.executable, "-m", "spanserve.cli", "serve", *model_args, "--port", str(port), *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    with open(log, "wb") as fh:  # a session of its own: its processes (core, API servers) are one group
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
     server = ServerProcess(proc, port, log)
     try:
         deadline = time.monotonic() + timeout
@@ -112,14 +117,78 @@ def run_server(model: str | None, log_dir: Path, *extra: str, timeout: float = 1
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server did not come up in {timeout} s:\n{server.log_text()}")
             time.sleep(0.2)
+        if "--no-engine-process" not in extra:  # every server test goes through the process boundary
+            core_pid(server)
         yield server
     finally:
+        _signal_group(proc.pid, signal.SIGCONT)  # a test may have stopped a process of it
         proc.terminate()
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        _signal_group(proc.pid, signal.SIGKILL)  # whatever outlived the server
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def spawned_children(pid: int) -> list[int]:
+    """Processes that `pid` started with multiprocessing's spawn (engine core, API servers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == pid and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def core_pid(server: ServerProcess) -> int:
+    """The engine core of a `spanserve serve` started with the core in its own process: the pid
+    its log names (at log level info), checked to be a spawned child of the server; else its one
+    spawned child."""
+    children = spawned_children(server.proc.pid)
+    pids = re.findall(r"engine core \(pid (\d+)\)", server.log_text())
+    if not pids:
+        assert len(children) == 1, f"no engine core process among {children}:\n{server.log_text()}"
+        return children[0]
+    pid = int(pids[-1])
+    assert pid in children, f"engine core {pid} is not a child of the server ({children})"
+    return pid
+
+
+@contextmanager
+def app_client(model: str, config: Any, process: bool = False, **engine: Any) -> Iterator[Any]:
+    """A TestClient of `create_app` over an engine of `model` (CPU, float32, options `engine`)
+    whose core steps on a thread of this process, or in a process of its own (`process`), as
+    `spanserve serve` runs it; the app's lifespan starts and stops either."""
+    from starlette.testclient import TestClient
+
+    from spanserve.engine.config import EngineConfig
+    from spanserve.engine.core_process import process_client
+    from spanserve.engine.engine import LLMEngine
+    from spanserve.model.loader import load_tokenizer
+    from spanserve.server.app import create_app
+
+    engine_config = EngineConfig.from_kwargs(model=model, **{"device": "cpu", "dtype": "float32", **engine})
+    if process:
+        target: Any = process_client(functools.partial(LLMEngine, engine_config), load_tokenizer(model),
+                                     config.max_pending, log_level="warning")
+    else:
+        target = LLMEngine(engine_config)
+    with TestClient(create_app(target, config), raise_server_exceptions=False) as client:
+        yield client
 
 
 def metric(text: str, name: str) -> float:

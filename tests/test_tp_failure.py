@@ -6,13 +6,12 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from span_helpers import capture_logits, run_all
-from test_server_harness import build_tiny_model, run_server
+from test_server_harness import build_tiny_model, core_pid, run_server, spawned_children
 
 from spanserve import LLM, SamplingParams
 from spanserve.distributed.driver import WorkerDied
@@ -74,24 +73,10 @@ def test_heads_that_do_not_split_fail_before_any_process_starts():
         LLM(RandomWeights(ONE_KV), tensor_parallel_size=3)
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-                cmd = (d / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmd:
-                out.append(int(d.name))
-    return out
-
-
 def test_server_exits_when_a_worker_dies(tmp_path):
     model = build_tiny_model(tmp_path / "tiny")
     with run_server(str(model), tmp_path, "--tensor-parallel-size", "2", "--kv-cache-memory", "4MiB") as srv:
-        workers = _children(srv.proc.pid)
+        workers = spawned_children(core_pid(srv))  # the engine core is the TP driver
         assert len(workers) == 1
         r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "The quick brown fox",
                                                           "max_tokens": 4, "temperature": 0}, timeout=60)

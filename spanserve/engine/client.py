@@ -51,6 +51,10 @@ class EngineStepError(RuntimeError):
     """A model step raised; every request in flight at that moment was aborted."""
 
 
+class EngineTimeout(TimeoutError):
+    """The engine core did not answer a named call in time (it is stopped, or wedged in a step)."""
+
+
 @dataclass
 class RequestSpec:
     prompt: str | list[int] | list[Segment]  # a list of Segments is a span layout
@@ -194,6 +198,13 @@ class EngineClient:
             raise RuntimeError("EngineClient already started")
         self._started = True
         self.transport.start(asyncio.get_running_loop(), self._on_output, self._on_dead)
+        self._hello()
+
+    def _hello(self) -> None:
+        """Any call makes the core count this client among those it sends every step and every
+        heartbeat to; from then on its silence means a stalled core, not an idle one."""
+        self.last_heard = time.monotonic()
+        self.transport.send(Call(next(self._call_ids), "info", [], self.client_id))
 
     async def shutdown(self) -> None:
         if self.dead is None:
@@ -220,6 +231,7 @@ class EngineClient:
         self._check_room(len(specs))
         prepared = [self._prepare(s) for s in specs]
         await self._compile_grammars(prepared)
+        self._check_room(len(specs))  # the core may have died, or others taken the room, meanwhile
         return self._send([(p, s.prompt) for p, s in zip(prepared, specs)])
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
@@ -253,15 +265,21 @@ class EngineClient:
         if self.is_alive:
             self.transport.send(Abort([request_id]))
 
-    async def call(self, method: str, *args: Any) -> Any:
-        """A named request to the core, answered between its steps."""
+    async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """A named request to the core, answered between its steps; EngineTimeout after `timeout`
+        seconds without an answer (None: wait as long as the core lives)."""
         if not self.is_alive:
             raise EngineDeadError(self.dead or "the engine is not running")
         call_id = next(self._call_ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        self.transport.send(Call(call_id, method, list(args), self.client_id))
-        return await fut
+        try:
+            self.transport.send(Call(call_id, method, list(args), self.client_id))
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise EngineTimeout(f"the engine core did not answer {method!r} in {timeout} s") from None
+        finally:  # answered, timed out or cancelled: a late answer finds nothing to resolve
+            self._calls.pop(call_id, None)
 
     def _check_room(self, n: int) -> None:
         if not self.is_alive:
@@ -349,7 +367,7 @@ class EngineClient:
         self.transport, self.info = transport, info
         self.limits = Limits(info.vocab_size, info.max_model_len, tuple(info.sink_prefix))
         transport.start(asyncio.get_running_loop(), self._on_output, self._on_dead)
-        self.last_heard = time.monotonic()
+        self._hello()
         self.dead = None
 
     def _fail_all(self, error: BaseException) -> None:

@@ -61,17 +61,20 @@ class EngineCore:
 
     # ---- inputs ---------------------------------------------------------------------------
     def handle(self, msg: Input) -> Sent:
+        """What to send in answer to one input. An input the core cannot take is refused (and
+        logged), never raised: a client's bug must not stop the core that every client shares."""
         if isinstance(msg, Add):
             return self._add(msg)
         if isinstance(msg, Abort):
             for rid in msg.request_ids:
                 self._forget(rid)
-                self.engine.abort(rid)
+                self._abort(rid)
             return []
         if isinstance(msg, Call):
             self.clients.add(msg.client)
             return [(msg.client, self._call(msg))]
-        raise TypeError(f"not an engine core input: {type(msg).__name__}")
+        log.error("dropped an input that is not an engine core input: %r", msg)
+        return []
 
     def _add(self, msg: Add) -> Sent:
         self.clients.add(msg.client)
@@ -79,20 +82,33 @@ class EngineCore:
         for p in msg.requests:
             try:
                 self.engine.add_prepared(p)
-            except ValueError as e:  # checked by the client: a race (a full pin budget, say)
-                failed.append(Delta(p.request_id, finish_reason="abort", by="error", error=str(e)))
+            except Exception as e:  # ValueError: checked by the client, a race (a full pin budget, say)
+                refused = isinstance(e, ValueError)
+                if not refused:  # a bug: the client hears of it as a failed step
+                    log.exception("request %r could not be queued", p.request_id)
+                    self._abort(p.request_id)  # whatever of it was queued
+                failed.append(Delta(p.request_id, finish_reason="abort", by="error" if refused else "failed",
+                                    error=_message(e)))
                 continue
             self._owner[p.request_id] = msg.client
         return [(msg.client, StepOutputs(failed, self.steps))] if failed else []
 
+    def _abort(self, rid: str) -> None:
+        try:
+            self.engine.abort(rid)
+        except Exception:
+            log.exception("aborting request %r failed", rid)
+
     def _call(self, msg: Call) -> Reply:
         fn = CALLS.get(msg.method)
         if fn is None:
-            return Reply(msg.call_id, error=f"the engine core has no call {msg.method!r}")
+            return Reply(msg.call_id, error=f"the engine core has no call {msg.method!r}; it has {sorted(CALLS)}")
         try:
             return Reply(msg.call_id, fn(self, *msg.args))
-        except (ValueError, TypeError) as e:
-            return Reply(msg.call_id, error=str(e))
+        except Exception as e:  # ValueError/TypeError: bad arguments; anything else is a bug, logged
+            if not isinstance(e, (ValueError, TypeError)):
+                log.exception("engine core call %r failed", msg.method)
+            return Reply(msg.call_id, error=_message(e))
 
     # ---- steps ----------------------------------------------------------------------------
     def step(self) -> Sent:
@@ -141,6 +157,10 @@ class EngineCore:
 
     def beats(self) -> Sent:
         return [(c, Beat(self.steps)) for c in self.clients]
+
+
+def _message(e: Exception) -> str:
+    return str(e) if isinstance(e, (ValueError, TypeError)) else f"{type(e).__name__}: {e}"
 
 
 def _unpin(core: EngineCore, key: str, namespace: str = "") -> bool:

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.responses import Response
 
-from spanserve.engine.client import EngineClient, EngineDeadError
+from spanserve.engine.client import EngineClient, EngineDeadError, EngineTimeout
 from spanserve.engine.engine import LLMEngine
 from spanserve.engine.inproc import inproc_client
 from spanserve.engine.structured import FormatCompiler
@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 # Bodies beyond this are refused before parsing; a prompt filling any supported context fits.
 MAX_BODY_BYTES = 64 << 20
+# The core answers a stats call between steps; this long without one, /metrics answers 503.
+STATS_TIMEOUT_S = 10.0
 
 
 class _SegmentKey(Convertor[str]):
@@ -129,10 +131,13 @@ def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        wait = min(STATS_TIMEOUT_S, ctx.config.step_timeout_s)
         try:
-            stats = await ctx.engine.call("stats")
+            stats = await ctx.engine.call("stats", timeout=wait)
         except EngineDeadError:
             stats = {}
+        except EngineTimeout as e:  # a scrape must not hang on a wedged core
+            return APIError(503, str(e), code="engine_stalled").response()
         return Response(ctx.metrics.render(stats), media_type=CONTENT_TYPE)
 
 

@@ -6,11 +6,14 @@ import asyncio
 import functools
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
+import signal
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +30,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("spanserve")
 
 API_KEY_ENV = "SPANSERVE_API_KEY"
+STOP_API_S = 10.0  # uvicorn's graceful shutdown (5 s) and the lifespan's, with room to spare
+NOTICE_S = 3.0  # how long the other API servers may take to see a dead core and stop by themselves
 
 
 def resolve_api_key(flag: str | None, env: Mapping[str, str]) -> str | None:
@@ -76,9 +81,9 @@ def _log_engine(engine: "LLMEngine", seconds: float) -> None:
         log.info("KV tiers below the pool: %s", ", ".join(t.name for t in engine.tiers.tiers))
 
 
-def _log_info(info: "EngineInfo", seconds: float) -> None:
-    log.info("engine core ready in %.1f s: KV pool of %d blocks x %d tokens = %d tokens; max model len %d; "
-             "default policy %s", seconds, info.num_blocks, info.block_size, info.num_blocks * info.block_size,
+def _log_info(info: "EngineInfo", pid: int, seconds: float) -> None:
+    log.info("engine core (pid %d) ready in %.1f s: KV pool of %d blocks x %d tokens = %d tokens; max model len %d; "
+             "default policy %s", pid, seconds, info.num_blocks, info.block_size, info.num_blocks * info.block_size,
              info.max_model_len, info.default_policy)
 
 
@@ -99,23 +104,34 @@ def serve(opts: ServeOptions) -> int:
         engine = LLMEngine(engine_config)
         _log_engine(engine, time.monotonic() - t0)
         return run_api(opts, engine, config)
-    from spanserve.engine.core_process import ProcessTransport
-    from spanserve.model.loader import load_tokenizer
+    from spanserve.engine.core_process import CoreProcess
 
     make = functools.partial(LLMEngine, engine_config)
-    transport, info = ProcessTransport.launch(make, opts.log_level)
-    _log_info(info, time.monotonic() - t0)
-    tokenizer = load_tokenizer(config.model_source) if isinstance(engine_config.model.source, str) else None
-    workers = [_spawn_api_server(opts, config, transport.address, info, i, transport.process.pid)
+    with ThreadPoolExecutor(1, thread_name_prefix="spanserve-startup") as pool:  # while the model loads
+        api = pool.submit(_prepare_api, engine_config.model.source)
+        core = CoreProcess.launch(make, opts.log_level)
+    _log_info(core.info, core.pid, time.monotonic() - t0)
+    tokenizer = api.result()
+    workers = [_spawn_api_server(opts, config, core.address, core.info, i, core.pid, tokenizer is not None)
                for i in range(1, opts.api_server_count)]
-    client = _client(transport, tokenizer, info, config)
+    # With one API server, closing its client stops the core (or the core that replaced it).
+    # With several, the API servers stop first and the core last, here.
+    client = core.client(tokenizer, 0, owner=not workers, max_pending=config.max_pending)
     try:
-        return run_api(opts, client, config, relaunch=make if opts.restart_engine else None)
+        code = run_api(opts, client, config, relaunch=make if opts.restart_engine else None, others=workers)
     finally:
-        for w in workers:
-            w.join(5)
-            if w.is_alive():
-                w.terminate()
+        # a dead core: the other API servers see it too and stop by themselves, non-zero
+        failed = _stop_api_servers(workers, NOTICE_S if not core.process.is_alive() else 0.0)
+        core.stop()
+    return code or int(failed)
+
+
+def _prepare_api(source: Any) -> Any:
+    """The API server's tokenizer (None for a model given as an object), and its imports."""
+    import spanserve.server.app  # noqa: F401
+    from spanserve.model.loader import load_tokenizer
+
+    return load_tokenizer(str(source)) if isinstance(source, str) else None
 
 
 def server_config(opts: ServeOptions, engine_config: EngineConfig) -> ServerConfig:
@@ -126,28 +142,27 @@ def server_config(opts: ServeOptions, engine_config: EngineConfig) -> ServerConf
                         auth_all_routes=opts.auth_all_routes, step_timeout_s=opts.step_timeout_s)
 
 
-def _client(transport: Any, tokenizer: Any, info: "EngineInfo", config: ServerConfig, client_id: int = 0) -> "EngineClient":
-    from spanserve.engine.client import EngineClient
-
-    return EngineClient(transport, tokenizer, info, config.max_pending, client_id)
-
-
 def run_api(opts: ServeOptions, engine: "LLMEngine | EngineClient", config: ServerConfig,
-            relaunch: Any = None) -> int:
-    """One API server over `engine` until it stops: 0, 130 on Ctrl-C, 1 if it never came up or
-    its engine core died (without `relaunch`, the core's factory to start a new one with)."""
+            relaunch: Any = None, index: int = 0, others: Sequence[Any] = ()) -> int:
+    """One API server (number `index`) over `engine` until it stops: 0, 130 on Ctrl-C, 1 if it
+    never came up, its engine core died (without `relaunch`, the core's factory to start a new
+    one with) or one of the `others` API server processes exited."""
     import uvicorn
 
     from spanserve.engine.client import EngineClient
     from spanserve.server.app import create_app
 
     app = create_app(engine, config)
-    server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level,
+    asgi = _named(app, index) if opts.api_server_count > 1 else app
+    server = uvicorn.Server(uvicorn.Config(asgi, host=opts.host, port=opts.port, log_level=opts.log_level,
                                            access_log=False, timeout_graceful_shutdown=5))
     died: list[str] = []
     client = app.state.ctx.engine
     if isinstance(engine, EngineClient):
         client.on_death = functools.partial(_on_core_death, server, client, died, relaunch, opts.log_level)
+    if others:
+        threading.Thread(target=_watch_api_servers, args=(others, server, died), name="spanserve-api-watch",
+                         daemon=True).start()
     url = f"http://{opts.host}:{opts.port}"
     log.info("serving %r at %s/v1 (metrics at %s/metrics)", config.served_model_name, url, url)
     log.info("access: %s; unknown request fields: %s",
@@ -155,12 +170,27 @@ def run_api(opts: ServeOptions, engine: "LLMEngine | EngineClient", config: Serv
               "API key required (/health and /metrics open)") if config.api_key else "open (no --api-key)",
              "refused (--strict-params)" if opts.strict_params else "ignored with a warning")
     sockets = [_shared_socket(opts.host, opts.port)] if opts.api_server_count > 1 else None
+    # uvicorn shuts down gracefully on SIGTERM, then restores this handler and raises the signal
+    # again: without one, the process would die there, before the API servers and the core stop.
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         server.run(sockets=sockets)
     except KeyboardInterrupt:
         # uvicorn has already shut down gracefully and re-raises Ctrl-C; a traceback would be noise.
         return 130
+    except _Stopped:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 1 if died or not server.started else 0
+
+
+class _Stopped(Exception):
+    """SIGTERM: the server was asked to stop."""
+
+
+def _raise_stopped(_sig: int, _frame: Any) -> None:
+    raise _Stopped()
 
 
 def _on_core_death(server: Any, client: "EngineClient", died: list[str], relaunch: Any, log_level: str,
@@ -176,19 +206,54 @@ def _on_core_death(server: Any, client: "EngineClient", died: list[str], relaunc
     log.error("the engine core died (%s): starting a new one", reason)
 
     def start() -> None:
-        from spanserve.engine.core_process import ProcessTransport
+        from spanserve.engine.core_process import CoreProcess
 
         try:
-            transport, info = ProcessTransport.launch(relaunch, log_level)
+            core = CoreProcess.launch(relaunch, log_level)
         except ValueError as e:
             log.error("the new engine core did not start (%s): the server stops", e)
             server.should_exit = True
             return
+        if server.should_exit:  # stopping meanwhile: the new core has nothing to serve
+            core.stop()
+            return
         died.clear()
-        asyncio.run_coroutine_threadsafe(client.reconnect(transport, info), loop)
-        log.info("a new engine core serves requests")
+        asyncio.run_coroutine_threadsafe(client.reconnect(core.transport(owner=True), core.info), loop).result()
+        log.info("a new engine core (pid %d) serves requests", core.pid)
 
     threading.Thread(target=start, name="spanserve-core-restart", daemon=True).start()
+
+
+def _watch_api_servers(others: Sequence[Any], server: Any, died: list[str]) -> None:
+    """An API server that exits while this one serves stops this one too (and so the core), as
+    a dead core does: a supervisor then restarts the whole, rather than a part silently gone."""
+    gone = multiprocessing.connection.wait([w.sentinel for w in others])
+    if server.should_exit:  # stopping anyway
+        return
+    w = next(w for w in others if w.sentinel in gone)
+    w.join(1.0)
+    died.append(f"{w.name} exited")
+    log.error("API server %s exited unexpectedly (exit code %s): the server stops", w.name.rsplit("-", 1)[1],
+              w.exitcode)
+    server.should_exit = True
+
+
+def _named(app: Any, index: int) -> Any:
+    """The app, answering with a header that names this API server (one of several on the port)."""
+    header = (b"x-spanserve-api-server", str(index).encode())
+
+    async def asgi(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+
+        async def send_named(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        await app(scope, receive, send_named)
+
+    return asgi
 
 
 def _shared_socket(host: str, port: int) -> socket.socket:
@@ -203,22 +268,47 @@ def _shared_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _spawn_api_server(opts: ServeOptions, config: ServerConfig, address: str, info: "EngineInfo", client_id: int,
-                      core_pid: int) -> Any:
-    proc = mp.get_context("spawn").Process(target=api_server_main, name=f"spanserve-api-{client_id}",
-                                           args=(opts, config, address, info, client_id, core_pid), daemon=True)
+def _spawn_api_server(opts: ServeOptions, config: ServerConfig, address: str, info: "EngineInfo", index: int,
+                      core_pid: int, has_tokenizer: bool) -> Any:
+    proc = mp.get_context("spawn").Process(target=api_server_main, name=f"spanserve-api-{index}", daemon=True,
+                                           args=(opts, config, address, info, index, core_pid, has_tokenizer))
     proc.start()
     return proc
 
 
-def api_server_main(opts: ServeOptions, config: ServerConfig, address: str, info: "EngineInfo", client_id: int,
-                    core_pid: int) -> None:
-    """Another API server process over the same engine core (--api-server-count)."""
+def _stop_api_servers(workers: list[Any], grace: float) -> bool:
+    """Waits up to `grace` seconds for the API servers to stop by themselves, then stops the rest
+    (SIGTERM: uvicorn's graceful shutdown; SIGKILL past STOP_API_S). Whether any failed."""
+    deadline = time.monotonic() + grace
+    for w in workers:
+        w.join(max(0.0, deadline - time.monotonic()))
+    stopped = [w for w in workers if w.is_alive()]
+    for w in stopped:
+        w.terminate()
+    failed = False
+    for w in workers:
+        w.join(STOP_API_S)
+        if w.is_alive():
+            log.warning("%s did not stop: killing it", w.name)
+            w.kill()
+            w.join()
+        ok = w.exitcode == 0 or (w in stopped and w.exitcode == -signal.SIGTERM)  # stopped while it started
+        failed |= not ok
+        (log.info if ok else log.error)("API server %s exited with code %s", w.name.rsplit("-", 1)[1], w.exitcode)
+    return failed
+
+
+def api_server_main(opts: ServeOptions, config: ServerConfig, address: str, info: "EngineInfo", index: int,
+                    core_pid: int, has_tokenizer: bool) -> None:
+    """Another API server process over the same engine core (--api-server-count). It is client
+    `index` of the core, never its owner: the process that started the core stops it."""
+    from spanserve.engine.client import EngineClient
     from spanserve.engine.core_process import ProcessTransport
     from spanserve.model.loader import load_tokenizer
 
     logging.basicConfig(level=opts.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s %(name)s[api-{client_id}]: %(message)s")
-    tokenizer = load_tokenizer(config.model_source)
-    client = _client(ProcessTransport(address, client_id, pid=core_pid), tokenizer, info, config, client_id)
-    raise SystemExit(run_api(opts, client, config))
+                        format=f"%(asctime)s %(levelname)s %(name)s[api-{index}]: %(message)s")
+    tokenizer = load_tokenizer(config.model_source) if has_tokenizer else None
+    transport = ProcessTransport(address, index, pid=core_pid)
+    client = EngineClient(transport, tokenizer, info, config.max_pending, index)
+    raise SystemExit(run_api(opts, client, config, index=index))
