@@ -29,6 +29,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + generated tokens")
     p.add_argument("--default-policy", default="none", choices=["none", "full"],
                    help="recomputation policy for span layouts that name none (full = read everything causally)")
+    p.add_argument("--pin-quota", type=float, default=None, metavar="FRACTION",
+                   help="share of the KV pool one tenant's pinned segments may hold (default: the global pin "
+                        "budget, pin_fraction 0.5 of the pool; both limits apply)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many processes (GPUs 0..N-1 on cuda, gloo on cpu)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -78,7 +81,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, device=args.device, dtype=args.dtype, backend=args.attention_backend,
         enforce_eager=args.enforce_eager, fused_ops=args.fused_ops, overlap=False if args.no_overlap else None,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, default_policy=args.default_policy,
+        max_model_len=args.max_model_len, default_policy=args.default_policy, pin_quota=args.pin_quota,
         tensor_parallel_size=args.tensor_parallel_size, kv_offload=_offload(args))
     extra = {}
     for item in args.engine_arg:
