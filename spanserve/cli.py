@@ -30,6 +30,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + generated tokens")
     p.add_argument("--default-policy", default="none", choices=["none", "full"],
                    help="recomputation policy for span layouts that name none (full = read everything causally)")
+    p.add_argument("--pin-quota", type=float, default=None, metavar="FRACTION",
+                   help="share of the KV pool one tenant's pinned segments may hold (default: the global pin "
+                        "budget, pin_fraction 0.5 of the pool; both limits apply)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many processes (GPUs 0..N-1 on cuda, gloo on cpu)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -79,7 +82,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, device=args.device, dtype=args.dtype, backend=args.attention_backend,
         enforce_eager=args.enforce_eager, fused_ops=args.fused_ops, overlap=False if args.no_overlap else None,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, default_policy=args.default_policy,
+        max_model_len=args.max_model_len, default_policy=args.default_policy, pin_quota=args.pin_quota,
         tensor_parallel_size=args.tensor_parallel_size, kv_offload=_offload(args))
     extra = {}
     for item in args.engine_arg:
@@ -96,7 +99,8 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(ServeOptions(
         engine=engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
         max_queued_requests=args.max_queued_requests, log_level=args.log_level, api_key=args.api_key,
-        auth_all_routes=args.auth_all_routes, strict_params=args.strict_params,
+        api_keys_file=args.api_keys_file, auth_all_routes=args.auth_all_routes, metrics_open=args.metrics_open,
+        strict_params=args.strict_params,
         engine_process=not args.no_engine_process, api_server_count=args.api_server_count,
         restart_engine=args.restart_engine, step_timeout_s=args.step_timeout))
 
@@ -156,8 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait beyond --max-num-seqs before new ones get 429")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (default: $SPANSERVE_API_KEY; unset = open)")
-    s.add_argument("--auth-all-routes", action="store_true", help="require the key on /health and /metrics too")
+                   help="require 'Authorization: Bearer KEY', the key of tenant 'default' (default: "
+                        "$SPANSERVE_API_KEY; prefer it or --api-keys-file: a flag shows in `ps`; unset = open)")
+    s.add_argument("--api-keys-file", default=None, metavar="PATH",
+                   help="one 'TENANT KEY' pair per line (# comments); each tenant has a cache of its own; "
+                        "read again on SIGHUP")
+    s.add_argument("--auth-all-routes", action="store_true", help="require a key on /health and /metrics too")
+    s.add_argument("--metrics-open", action="store_true",
+                   help="serve /metrics without a key (default: /metrics needs one when keys are set)")
     s.add_argument("--strict-params", action="store_true",
                    help="answer 400 to request fields outside the OpenAI schema (default: ignore them, with a warning)")
     p = s.add_argument_group("processes")

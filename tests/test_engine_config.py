@@ -79,6 +79,8 @@ def test_keywords_land_in_their_parts_and_old_spellings_are_read() -> None:
     ({"kv_cache_memory": "64MiB"}, "kv_cache_memory must be an integer >= 1, got '64MiB'; give the KV pool's size "
                                    "in bytes"),
     ({"pin_fraction": 1.5}, r"pin_fraction must be a number in \[0, 1\]"),
+    ({"pin_quota": -0.1}, r"pin_quota must be a number in \[0, 1\] \(the share of the KV pool one tenant's pins"),
+    ({"pin_quota": True}, r"pin_quota must be a number in \[0, 1\]"),
     ({"reposition": "lazy"}, "reposition 'lazy' is not one of deferred, eager"),
     ({"kv_offload": {"cpu": "1GiB"}}, "unknown kv_offload settings"),
     ({"kv_offload": {"cpu_bytes": -1}}, "kv_offload cpu_bytes must be a size >= 0"),
@@ -163,9 +165,9 @@ def test_objects_work_in_process_but_are_not_shipped() -> None:
 
 FLAGS = ["--model", "m", "--device", "cpu", "--dtype", "bfloat16", "--block-size", "8", "--kv-cache-memory", "64MiB",
          "--max-num-seqs", "4", "--no-overlap", "--default-policy", "full", "--engine-arg", "pin_fraction=0.25",
-         "--engine-arg", "reposition=eager"]
+         "--engine-arg", "reposition=eager", "--pin-quota", "0.125"]
 KWARGS = dict(model="m", device="cpu", dtype="bfloat16", block_size=8, kv_cache_memory=64 << 20, max_num_seqs=4,
-              overlap=False, default_policy="full", pin_fraction=0.25, reposition="eager")
+              overlap=False, default_policy="full", pin_fraction=0.25, reposition="eager", pin_quota=0.125)
 
 
 def test_command_line_flags_build_the_config_llm_keywords_build(built: list[EngineConfig],

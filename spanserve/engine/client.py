@@ -62,6 +62,7 @@ class RequestSpec:
     request_id: str
     namespace: str = ""
     policy: str | None = None  # None = the engine's default policy
+    tenant: str = ""  # who sent it: fair admission across tenants
 
 
 class RequestStream:
@@ -245,16 +246,18 @@ class EngineClient:
         finally:
             stream.abort()
 
-    async def pin(self, segments: Sequence[Segment], namespace: str = "", request_id: str = "") -> RequestStream:
-        """Queue the encoding and pinning of plus segments; the stream's one output arrives when
-        they are cached and pinned (finish_reason "stop"), or carries the core's refusal."""
+    async def pin(self, segments: Sequence[Segment], namespace: str = "", request_id: str = "",
+                  tenant: str = "") -> RequestStream:
+        """Queue the encoding and pinning of plus segments, owned by `tenant`; the stream's one
+        output arrives when they are cached and pinned (finish_reason "stop"), or carries the
+        core's refusal (over the pin budget or the tenant's quota)."""
         if any(s.kind != "plus" for s in segments):
             raise ValueError("only plus (standalone) segments can be pinned")
         self._check_room(1)
         params = SamplingParams(max_tokens=1)
         ids, pieces = check_prompt(list(segments), params, resolve_policy("none"), self.limits, self._encode, True)
         rid = request_id or f"pin-{self.client_id}-{next(self._call_ids)}"
-        (stream,) = self._send([(Prepared(rid, ids, pieces, params, namespace, "none", True), ids)])
+        (stream,) = self._send([(Prepared(rid, ids, pieces, params, namespace, "none", True, tenant=tenant), ids)])
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -300,7 +303,7 @@ class EngineClient:
         if spec.request_id in self._tracks:
             raise ValueError(f"request id {spec.request_id!r} is already in use")
         return Prepared(spec.request_id, ids, pieces, spec.params, spec.namespace, policy.name,
-                        arrival_time=time.monotonic())
+                        arrival_time=time.monotonic(), tenant=spec.tenant)
 
     async def _compile_grammars(self, prepared: list[Prepared]) -> None:
         for p in prepared:

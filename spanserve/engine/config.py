@@ -41,7 +41,8 @@ class CacheOptions:
     block_size: int = 16  # token slots per KV block
     num_blocks: int | None = None  # None: as many as kv_cache_memory holds
     kv_cache_memory: int | None = None  # bytes; None: 80% of free GPU memory, 1 GiB on a CPU
-    pin_fraction: float = 0.5  # share of the pool pinned segments may hold
+    pin_fraction: float = 0.5  # share of the pool pinned segments may hold, all owners together
+    pin_quota: float | None = None  # share of the pool one owner's (tenant's) pins may hold; None: pin_fraction
     reposition: str = "deferred"  # deferred: rotate keys when read; eager: copy-and-rotate
     kv_offload: dict[str, Any] | None = None  # OffloadConfig fields; None: no tiers below the pool
     sink_prefix: tuple[int, ...] | None = None  # anchor="sink" tokens; None: BOS + chat opening

@@ -50,10 +50,12 @@ def _cache(c: "CacheOptions") -> None:
     if c.kv_cache_memory is not None:
         _int("kv_cache_memory", c.kv_cache_memory, 1, "give the KV pool's size in bytes (on the command line "
                                                       "--kv-cache-memory takes units such as 512MiB)")
-    if isinstance(c.pin_fraction, bool) or not isinstance(c.pin_fraction, (int, float)) \
-            or not 0 <= c.pin_fraction <= 1:
+    if not _is_share(c.pin_fraction):
         raise ValueError(f"pin_fraction must be a number in [0, 1] (the share of the KV pool pinned segments "
                          f"may hold), got {c.pin_fraction!r}")
+    if c.pin_quota is not None and not _is_share(c.pin_quota):
+        raise ValueError(f"pin_quota must be a number in [0, 1] (the share of the KV pool one tenant's pins may "
+                         f"hold) or None for pin_fraction, got {c.pin_quota!r}")
     _choice("reposition", c.reposition, REPOSITION_CHOICES)
     OffloadConfig.of(c.kv_offload)  # raises, naming the bad setting
     if c.sink_prefix is not None and not (isinstance(c.sink_prefix, tuple)
@@ -101,6 +103,10 @@ def _runtime(r: "RuntimeOptions") -> None:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_share(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
 
 
 def _int(name: str, value: Any, least: int, hint: str = "") -> None:

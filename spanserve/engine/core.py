@@ -170,10 +170,10 @@ def _unpin(core: EngineCore, key: str, namespace: str = "") -> bool:
 def _stats(core: EngineCore) -> dict[str, Any]:
     """Plain numbers for the metrics page: pool, queues, pins, counters, decode steps, tiers."""
     e = core.engine
-    pool, pinned = e.pool, list(e.pinned.values())
+    pool = e.pool
     return {"blocks_total": pool.num_blocks, "blocks_free": pool.num_free, "blocks_cached": pool.num_cached,
             "block_size": e.block_size, "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
-            "pinned_segments": len(pinned), "pinned_blocks": sum(len(b) for b in pinned),
+            "pinned_segments": e.pins.num_segments, "pinned_blocks": e.pins.num_blocks_held,
             "counters": dict(e.counters), "steps": core.steps,
             "decode": {b: asdict(t) for b, t in e.decode_stats.snapshot().items()},
             "tiers": e.tiers.stats() if e.tiers is not None else None}

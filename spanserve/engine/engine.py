@@ -9,7 +9,6 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from spanserve.cache.claim import Piece
 from spanserve.engine.batch import prepare
 from spanserve.engine.builder import build
 from spanserve.engine.config import EngineConfig
@@ -18,6 +17,7 @@ from spanserve.engine.layout import Segment
 from spanserve.engine.outputs import RequestOutput, output_of
 from spanserve.engine.overlap import Pending, chainable, continues, may_continue, next_is_chained
 from spanserve.engine.params import SamplingParams
+from spanserve.engine.pins import PinTable
 from spanserve.engine.prepare import Limits, Prepared, check_ids, check_prompt
 from spanserve.engine.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from spanserve.engine.request import Request
@@ -44,8 +44,6 @@ class LLMEngine:
         self.engine_config = config = config.resolve()
         parts = build(config)
         self.default_policy = resolve_policy(config.scheduler.default_policy)
-        self.pin_fraction = config.cache.pin_fraction
-        self.pinned: dict[tuple[str, str], list] = {}  # (namespace, key) -> blocks held for the pin
         self.device, self.dtype, self.tp = parts.device, parts.dtype, parts.side.tp
         self.config, self.tokenizer, self.model = parts.side.config, parts.side.tokenizer, parts.side.model
         self.block_size, self.sink_prefix = config.cache.block_size, parts.sink_prefix
@@ -53,6 +51,7 @@ class LLMEngine:
         self.storage, self.tiers, self.pool, self.manager = parts.storage, parts.tiers, parts.pool, parts.manager
         self.scheduler, self.executor, self.sampler = parts.scheduler, parts.executor, parts.sampler
         self.grammars = parts.grammars
+        self.pins = PinTable(self.pool.num_blocks, config.cache.pin_fraction, config.cache.pin_quota)
         self._decode = make_decoder(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -117,8 +116,9 @@ class LLMEngine:
 
     def add_request(self, prompt: "str | list[int] | list[Segment]", params: SamplingParams | None = None,
                     request_id: str | None = None, namespace: str = "", policy: "str | Policy | None" = None,
-                    encode_only: bool = False) -> Request:
-        """prompt: text, token ids, or a span layout (a list of Segments)."""
+                    encode_only: bool = False, tenant: str = "") -> Request:
+        """prompt: text, token ids, or a span layout (a list of Segments). `tenant`: whose request
+        it is (admission is fair across tenants; pins count against their owner's quota)."""
         if self.closed:
             raise RuntimeError("this engine was shut down; build a new one")
         params = params or SamplingParams()
@@ -127,19 +127,21 @@ class LLMEngine:
         fmt = parse_response_format(params.response_format)
         grammar = self.grammars.compile(fmt) if fmt is not None else None
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return self.add_prepared(Prepared(rid, ids, pieces, params, namespace, pol, encode_only, grammar))
+        return self.add_prepared(Prepared(rid, ids, pieces, params, namespace, pol, encode_only, grammar,
+                                          tenant=tenant))
 
     def add_prepared(self, p: Prepared) -> Request:
         """Queues a checked request (engine/prepare.py)."""
         if p.request_id in self.requests:
             raise ValueError(f"request id {p.request_id!r} is already in use")
-        if p.encode_only:
-            self._check_pin_budget(p.pieces)
+        if p.encode_only:  # its blocks are promised now: pins in flight together stay within the limits
+            self.pins.reserve(p.request_id, p.tenant, sum(-(-len(q.tokens) // self.block_size) for q in p.pieces))
         if p.grammar is not None:  # last: a matcher exists only for a request that is queued
             self.grammars.open(p.request_id, p.grammar)
         req = Request(p.request_id, p.token_ids, p.params, namespace=p.namespace,
                       generator=make_generator(p.params.seed, self.device), pieces=p.pieces,
-                      policy=resolve_policy(p.policy, self.default_policy), encode_only=p.encode_only)
+                      policy=resolve_policy(p.policy, self.default_policy), encode_only=p.encode_only,
+                      tenant=p.tenant)
         if p.arrival_time is not None:
             req.arrival_time = p.arrival_time
         self.requests[p.request_id] = req
@@ -157,6 +159,7 @@ class LLMEngine:
         req.finish_reason = "abort"
         self.scheduler.finish(req)
         self.grammars.close(request_id)
+        self.pins.release_reservation(request_id)
         return output_of(req)
 
     def has_unfinished(self) -> bool:
@@ -305,39 +308,31 @@ class LLMEngine:
             self.scheduler.finish(req)
 
     # ---- pinned segments -------------------------------------------------------------------
-    def pin(self, segments: "list[Segment | str]", namespace: str = "") -> Request:
+    def pin(self, segments: "list[Segment | str]", namespace: str = "", tenant: str = "") -> Request:
         """Queue the encoding of standalone segments that stay cached (never evicted) until
-        unpinned. Each is pinned under its key (its text if no key is given)."""
+        unpinned. Each is pinned under its key (its text if no key is given), owned by `tenant`."""
         segs = [s if isinstance(s, Segment) else Segment(text=s, kind="plus") for s in segments]
         if any(s.kind != "plus" for s in segs):
             raise ValueError("only plus (standalone) segments can be pinned")
         return self.add_request(segs, SamplingParams(max_tokens=1), namespace=namespace, policy="none",
-                                encode_only=True)
-
-    def _check_pin_budget(self, pieces: list[Piece]) -> None:
-        need = sum(-(-len(p.tokens) // self.block_size) for p in pieces)
-        held = sum(len(b) for b in self.pinned.values())
-        limit = int(self.pin_fraction * self.pool.num_blocks)
-        if held + need > limit:
-            raise ValueError(f"pinning needs {need} blocks but only {limit - held} of the pin budget "
-                             f"({self.pin_fraction:.0%} of {self.pool.num_blocks}) are left; unpin something "
-                             "or raise pin_fraction")
+                                encode_only=True, tenant=tenant)
 
     def _pin(self, req: Request) -> None:
         self.manager.publish(req.kv, tail=True)
+        self.pins.release_reservation(req.request_id)
         for u, p in zip(req.units, req.pieces):
             name = p.key if p.key is not None else self._detok(list(p.tokens))
             for b in u.blocks:
                 self.pool.acquire(b)
-            old = self.pinned.pop((req.namespace, name), None)
-            self.pinned[(req.namespace, name)] = list(u.blocks)
-            for b in old or []:
+            for b in self.pins.put((req.namespace, name), req.tenant, u.blocks):
                 self.pool.release(b)
         req.finish_reason = "stop"
         self.scheduler.finish(req)
 
     def unpin(self, key: str, namespace: str = "") -> bool:
-        blocks = self.pinned.pop((namespace, key), None)
+        """False when nothing is pinned under `key` in `namespace` (a namespace is one tenant's:
+        another tenant's pin is not there to find)."""
+        blocks = self.pins.pop((namespace, key))
         for b in blocks or []:
             self.pool.release(b)
         return blocks is not None
@@ -349,6 +344,7 @@ class LLMEngine:
         """A finished request leaves the engine; its counts join the engine's."""
         self.requests.pop(req.request_id, None)
         self.grammars.close(req.request_id)
+        self.pins.release_reservation(req.request_id)  # a pin request that failed (could not be admitted)
         self.counters["requests_finished"] += 1
         for k, n in req.reuse.items():  # the reuse kinds, and tokens loaded per tier if any
             self.counters[k] = self.counters.get(k, 0) + n

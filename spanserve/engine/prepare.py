@@ -28,7 +28,9 @@ class Limits:
 @dataclass
 class Prepared:
     """A checked request: what the engine queues (`LLMEngine.add_prepared`). `grammar`: its
-    compiled response format, if any (an xgrammar CompiledGrammar, or its JSON across processes)."""
+    compiled response format, if any (an xgrammar CompiledGrammar, or its JSON across processes).
+    `tenant`: who sent it (the API server's tenant, from its key; "" for the Python API): the
+    scheduler admits tenants' requests in turn, and a pin counts against its tenant's quota."""
 
     request_id: str
     token_ids: list[int]
@@ -39,6 +41,7 @@ class Prepared:
     encode_only: bool = False
     grammar: Any = None
     arrival_time: float | None = field(default=None)
+    tenant: str = ""
 
 
 def check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:

@@ -32,6 +32,7 @@ class Request:
     pieces: list[Piece] = field(default_factory=list)  # resolved layout; empty = one plain prompt
     policy: Any = None  # reuse.policies.Policy; None = pure span semantics
     encode_only: bool = False  # pin requests: encode the plus units, sample nothing
+    tenant: str = ""  # whose request: admission is fair across tenants, a pin is owned by its tenant
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -1,15 +1,18 @@
 """Continuous batching with a per-step token budget, chunked prefill and preemption by recompute.
 A waiting request whose blocks are being loaded from the tiers below the pool keeps its place in
-the queue while the requests behind it are admitted."""
+the queue while the requests behind it are admitted. Tenants are admitted in turn
+(engine/fairness.py); while several tenants run, decode rows go first and the rest of the
+budget is split fairly between tenants' prefills."""
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from spanserve.cache.claim import Task
 from spanserve.cache.manager import CacheManager
 from spanserve.cache.tiers.loader import LoadJob
+from spanserve.engine.fairness import WaitQueue, fair_shares
 from spanserve.engine.request import Request, Status
 
 LOAD_WAIT_S = 0.02  # longest sleep on tier loads before looking at new requests and aborts again
@@ -34,8 +37,9 @@ class Scheduler:
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitQueue()
         self.running: list[Request] = []
+        self._running_tenants: Counter[str] = Counter()  # running requests per tenant
         self.loading: dict[str, LoadJob] = {}  # waiting requests whose tier loads are in flight, by id
         self.blocked: Request | None = None  # the waiting request the last pass could not admit
 
@@ -47,35 +51,88 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         out = Schedule()
+        newcomers = self._newcomers()
+        fair = len(self._running_tenants) > 1 or bool(newcomers)
+        budget = self._run_fair(out, newcomers) if fair else self._run_in_order(out)
+        self.blocked = None
+        for req in self.waiting.walk():  # those waiting on their loads keep their place; the rest go on
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            job = self.loading.get(req.request_id)
+            if (job is not None and not job.done) or not self.admit(req):
+                if req.request_id in self.loading:
+                    continue
+                self.blocked = req
+                break
+            self.waiting.take(req)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            self._running_tenants[req.tenant] += 1
+            budget -= self._take(req, budget, out)
+        return out
+
+    def _run_in_order(self, out: Schedule) -> int:
+        """The running requests' chunks, in the order they were admitted; the budget left."""
         budget = self.max_num_batched_tokens
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status is not Status.RUNNING:
-                continue  # preempted earlier in this pass
-            while not self.manager.ensure_capacity(req.kv):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            if req.status is Status.RUNNING:
+            if self._grow(req, out):
                 budget -= self._take(req, budget, out)
-        self.blocked = None
-        i = 0  # requests before it wait on their loads: they keep their place, the rest go on
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[i]
-            job = self.loading.get(req.request_id)
-            if (job is not None and not job.done) or not self.admit(req):
-                if req.request_id in self.loading:
-                    i += 1
-                    continue
-                self.blocked = req
-                break
-            del self.waiting[i]
-            req.status = Status.RUNNING
-            self.running.append(req)
-            budget -= self._take(req, budget, out)
+        return budget
+
+    def _newcomers(self) -> dict[str, int]:
+        """Tenants with nothing running whose next request could be admitted now, and its prompt
+        length: what they would prefill if admitted. Empty with nothing running (the whole
+        budget is for admissions) or no room to admit."""
+        room = self.max_num_seqs - len(self.running)
+        if not self.running or room <= 0 or self.blocked is not None:
+            return {}
+        out: dict[str, int] = {}
+        for tenant, head in self.waiting.heads():
+            if tenant not in self._running_tenants and head.request_id not in self.loading:
+                out[tenant] = len(head.prompt_token_ids) + len(head.output_token_ids)
+                if len(out) == room:
+                    break
         return out
+
+    def _run_fair(self, out: Schedule, newcomers: dict[str, int]) -> int:
+        """Several tenants have work: decode rows first, then each running tenant's prefills
+        within its fair share of what is left; the shares of tenants about to be admitted stay
+        in the budget for them, so that one tenant's long prompts starve no other's."""
+        budget = self.max_num_batched_tokens
+        todo = {id(r): sum(len(t.todo) for t in r.tasks) for r in self.running}
+        decoding = [r for r in self.running if todo[id(r)] <= 1]
+        prefill = [r for r in self.running if todo[id(r)] > 1]
+        for req in decoding:
+            if budget <= 0:
+                break
+            if self._grow(req, out):
+                budget -= self._take(req, budget, out)
+        demand: Counter[str] = Counter(newcomers)
+        for r in prefill:
+            demand[r.tenant] += todo[id(r)]
+        shares = fair_shares(dict(demand), budget)
+        for req in prefill:
+            share = min(shares[req.tenant], budget)
+            if share <= 0 or not self._grow(req, out):
+                continue
+            used = self._take(req, share, out)
+            shares[req.tenant] -= used
+            budget -= used
+        return budget
+
+    def _grow(self, req: Request, out: Schedule) -> bool:
+        """Room for the request's next tokens, preempting the latest admitted requests (itself,
+        at worst) until there is; False when it is not running (now, or since earlier this pass)."""
+        if req.status is not Status.RUNNING:
+            return False
+        while not self.manager.ensure_capacity(req.kv):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
 
     def admit(self, req: Request) -> bool:
         """Admit a waiting request into the cache; False (nothing changed) when it does not fit,
@@ -128,7 +185,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: Schedule) -> None:
         self.manager.release(req.kv)
-        self.running.remove(req)
+        self._leave_running(req)
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -136,7 +193,7 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         if req in self.running:
-            self.running.remove(req)
+            self._leave_running(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         job = self.loading.pop(req.request_id, None)
@@ -144,3 +201,9 @@ class Scheduler:
             self.manager.drop_loads(job)
         self.manager.release(req.kv)
         req.status = Status.FINISHED
+
+    def _leave_running(self, req: Request) -> None:
+        self.running.remove(req)
+        self._running_tenants[req.tenant] -= 1
+        if not self._running_tenants[req.tenant]:
+            del self._running_tenants[req.tenant]

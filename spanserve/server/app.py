@@ -20,12 +20,13 @@ from spanserve.engine.client import EngineClient, EngineDeadError, EngineTimeout
 from spanserve.engine.engine import LLMEngine
 from spanserve.engine.inproc import inproc_client
 from spanserve.engine.structured import FormatCompiler
-from spanserve.server.auth import OPEN_PATHS, BearerAuth
+from spanserve.server.auth import METRICS_PATH, OPEN_PATHS, BearerAuth, tenant_of
 from spanserve.server.chat import create_chat_completion
 from spanserve.server.compat import screen, screen_unknown
 from spanserve.server.completions import create_completion
 from spanserve.server.context import ServerConfig, ServingContext
 from spanserve.server.errors import APIError, install_handlers
+from spanserve.server.keys import KeyRing
 from spanserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from spanserve.server.openapi import install_openapi
 from spanserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, PinRequest,
@@ -74,8 +75,11 @@ def create_app(engine: LLMEngine | EngineClient, config: ServerConfig) -> FastAP
     app = FastAPI(title="spanserve", lifespan=_lifespan(owned, ctx))
     app.state.ctx = ctx
     install_handlers(app)
-    if config.api_key:
-        app.add_middleware(BearerAuth, api_key=config.api_key, open_paths=() if config.auth_all_routes else OPEN_PATHS)
+    app.state.keys = None
+    if config.api_key or config.api_keys_file:
+        app.state.keys = KeyRing(config.api_key, config.api_keys_file)
+        open_paths = () if config.auth_all_routes else OPEN_PATHS + ((METRICS_PATH,) if config.metrics_open else ())
+        app.add_middleware(BearerAuth, keys=app.state.keys, open_paths=open_paths)
     _add_status_routes(app, ctx)
     _add_openai_routes(app, ctx)
     _add_span_routes(app, ctx)
@@ -177,8 +181,8 @@ def _add_span_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/segments")
     async def pin(http: Request) -> PinResponse:
-        return await pin_segments(ctx, PinRequest.model_validate_json(await read_body(http)))
+        return await pin_segments(ctx, PinRequest.model_validate_json(await read_body(http)), tenant_of(http))
 
     @app.delete("/v1/segments/{key:segment_key}")
-    async def unpin(key: str, cache_salt: str | None = None) -> UnpinResponse:
-        return await unpin_segment(ctx, key, cache_salt)
+    async def unpin(http: Request, key: str, cache_salt: str | None = None) -> UnpinResponse:
+        return await unpin_segment(ctx, key, cache_salt, tenant_of(http))

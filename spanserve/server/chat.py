@@ -8,6 +8,7 @@ from starlette.responses import Response
 
 from spanserve.engine.outputs import RequestOutput
 from spanserve.engine.sampling import TokenLogprobs
+from spanserve.server.auth import tenant_of
 from spanserve.server.context import Prompt, ServingContext, Submission
 from spanserve.server.errors import APIError, stream_error_payload
 from spanserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -42,7 +43,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     else:
         prompt = await ctx.render_chat(req.messages, req.add_generation_prompt)
     n_top = (req.top_logprobs or 0) if req.logprobs else None
-    sub = await ctx.submit(new_id("chatcmpl"), [prompt], req, req.max_new_tokens, n_top)
+    sub = await ctx.submit(new_id("chatcmpl"), [prompt], req, req.max_new_tokens, n_top, tenant=tenant_of(http))
     model = ctx.config.served_model_name
     if req.stream:
         return SSEResponse(_stream(ctx, req, sub, model), on_close=sub.abort)

@@ -26,6 +26,8 @@ IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort", "ver
            "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "safety_identifier",
            "parallel_tool_calls", "modalities", "tool_choice", "function_call", "best_of")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+# Roles whose messages OpenAI's schema requires content of (an assistant's may be a tool call).
+CONTENT_REQUIRED = ("system", "developer", "user", "tool")
 _TOKEN_ID = re.compile(r"[0-9]+")
 
 
@@ -106,6 +108,10 @@ def _check_chat(req: ChatCompletionRequest) -> None:
         raise refused("moderation", "this server runs no moderation model; omit moderation and moderate "
                                     "inputs and outputs on the client")
     for i, m in enumerate(req.messages):
+        if m.role in CONTENT_REQUIRED and (m.content is None or m.content == []):
+            raise APIError(400, f"messages.{i}.content: a {m.role} message needs content (a string or a "
+                                f"non-empty list of text parts)", param=f"messages.{i}.content",
+                           code="missing_required_parameter")
         bad = m.unsupported()
         if bad is not None:
             raise refused(f"messages.{i}.{bad[0]}", bad[1])

@@ -9,6 +9,7 @@ from starlette.responses import Response
 
 from spanserve.engine.outputs import RequestOutput
 from spanserve.engine.sampling import TokenLogprobs
+from spanserve.server.auth import tenant_of
 from spanserve.server.context import Prompt, ServingContext, Submission
 from spanserve.server.errors import APIError, stream_error_payload
 from spanserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
@@ -94,7 +95,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
     # echo with logprobs scores the prompt; max_tokens 0 (echo only) samples one token, dropped
     scored = [v for v in (req.prompt_logprobs, req.logprobs if req.echo else None) if v is not None]
     sub = await ctx.submit(new_id("cmpl"), prompts, req, req.max_tokens or 1, req.logprobs,
-                           prompt_logprobs=max(scored) if scored else None)
+                           prompt_logprobs=max(scored) if scored else None, tenant=tenant_of(http))
     model = ctx.config.served_model_name
     if req.stream:
         return SSEResponse(_stream(ctx, req, sub, model, echo), on_close=sub.abort)

@@ -32,6 +32,7 @@ from spanserve.engine.outputs import RequestOutput
 from spanserve.engine.params import SamplingParams
 from spanserve.engine.sampling import TokenLogprobs
 from spanserve.reuse.policies import resolve_policy
+from spanserve.server.auth import namespace_for
 from spanserve.server.errors import APIError, bad_request
 from spanserve.server.metrics import ServerMetrics
 from spanserve.server.protocol import (
@@ -64,9 +65,12 @@ class ServerConfig:
     max_pending: int | None = None
     # Unknown request fields: False = ignored with a warning, True = 400 naming the field.
     strict_params: bool = False
-    # Bearer key every route but /health and /metrics requires (those too with auth_all_routes).
+    # Bearer key of tenant "default", and a file of `TENANT KEY` lines: with either, every route
+    # but /health (and /metrics with metrics_open) needs a key; with auth_all_routes those too.
     api_key: str | None = None
+    api_keys_file: str | None = None
     auth_all_routes: bool = False
+    metrics_open: bool = False
     # /health answers 503 once requests have waited this long on an engine that finished no step
     step_timeout_s: float = 60.0
 
@@ -255,8 +259,10 @@ class ServingContext:
 
     async def submit(self, id_: str, prompts: Sequence[Prompt], req: SamplingRequest,
                      max_tokens: int | None, logprobs: int | None,
-                     prompt_logprobs: int | None = None) -> Submission:
-        """prompt_logprobs: None = the request's own field."""
+                     prompt_logprobs: int | None = None, tenant: str | None = None) -> Submission:
+        """prompt_logprobs: None = the request's own field. `tenant`: whose key sent it (None
+        without access control); the cache namespace is the tenant's, cache_salt within it."""
+        namespace = namespace_for(tenant, req.cache_salt)
         if prompt_logprobs is None:
             prompt_logprobs = req.prompt_logprobs
         check_policy(req.policy)
@@ -266,7 +272,7 @@ class ServingContext:
             budget = self._budget(lens[p], max_tokens)
             for j in range(req.n):
                 specs.append(RequestSpec(ids, self._params(req, budget, logprobs, j, prompt_logprobs), f"{id_}-{p}-{j}",
-                                         namespace=req.cache_salt or "", policy=req.policy))
+                                         namespace=namespace, policy=req.policy, tenant=tenant or ""))
         try:
             streams = await self.engine.add_requests(specs)
         except ValueError as e:  # a schema the grammar compiler refuses names response_format

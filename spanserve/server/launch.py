@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from spanserve.engine.config import EngineConfig
 from spanserve.server.context import ServerConfig
+from spanserve.server.keys import KeyRing
 from spanserve.worker.storage import bytes_per_block
 
 if TYPE_CHECKING:
@@ -53,7 +54,9 @@ class ServeOptions:
     max_queued_requests: int = 1024
     log_level: str = "info"
     api_key: str | None = None  # None: the SPANSERVE_API_KEY environment variable, if set
-    auth_all_routes: bool = False  # the key guards /health and /metrics too
+    api_keys_file: str | None = None  # `TENANT KEY` lines, read again on SIGHUP
+    auth_all_routes: bool = False  # the key guards /health (and /metrics) too
+    metrics_open: bool = False  # /metrics answers without a key
     strict_params: bool = False  # unknown request fields are a 400 instead of a logged warning
     engine_process: bool = True  # the engine core in a process of its own (False: a thread of the API server)
     api_server_count: int = 1  # API server processes sharing the port and the one engine core
@@ -93,6 +96,11 @@ def serve(opts: ServeOptions) -> int:
     from spanserve.engine.engine import LLMEngine
 
     opts.check()
+    if opts.api_keys_file:  # a bad keys file fails now, before anything loads
+        KeyRing(resolve_api_key(opts.api_key, os.environ), opts.api_keys_file)
+        # SIGHUP means "reload the keys": until the handler is in place (and in the engine core
+        # and the other API servers, which inherit this) it must not end the process
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_config = opts.engine.updated(tp_on_failure="exit").resolve()  # a dead TP worker ends the server
     config = server_config(opts, engine_config)
@@ -136,17 +144,20 @@ def _prepare_api(source: Any) -> Any:
 
 def server_config(opts: ServeOptions, engine_config: EngineConfig) -> ServerConfig:
     source = str(engine_config.model.source)
+    keys_file = os.path.abspath(opts.api_keys_file) if opts.api_keys_file else None
     return ServerConfig(served_model_name=opts.served_model_name or default_served_name(source), model_source=source,
                         max_pending=engine_config.scheduler.max_num_seqs + opts.max_queued_requests,
                         strict_params=opts.strict_params, api_key=resolve_api_key(opts.api_key, os.environ),
-                        auth_all_routes=opts.auth_all_routes, step_timeout_s=opts.step_timeout_s)
+                        api_keys_file=keys_file, auth_all_routes=opts.auth_all_routes,
+                        metrics_open=opts.metrics_open, step_timeout_s=opts.step_timeout_s)
 
 
 def run_api(opts: ServeOptions, engine: "LLMEngine | EngineClient", config: ServerConfig,
             relaunch: Any = None, index: int = 0, others: Sequence[Any] = ()) -> int:
     """One API server (number `index`) over `engine` until it stops: 0, 130 on Ctrl-C, 1 if it
     never came up, its engine core died (without `relaunch`, the core's factory to start a new
-    one with) or one of the `others` API server processes exited."""
+    one with) or one of the `others` API server processes exited (a SIGHUP here is passed on to
+    them)."""
     import uvicorn
 
     from spanserve.engine.client import EngineClient
@@ -163,11 +174,11 @@ def run_api(opts: ServeOptions, engine: "LLMEngine | EngineClient", config: Serv
     if others:
         threading.Thread(target=_watch_api_servers, args=(others, server, died), name="spanserve-api-watch",
                          daemon=True).start()
+    if app.state.keys is not None and config.api_keys_file:
+        reload_keys_on_sighup(app.state.keys, [w.pid for w in others])
     url = f"http://{opts.host}:{opts.port}"
     log.info("serving %r at %s/v1 (metrics at %s/metrics)", config.served_model_name, url, url)
-    log.info("access: %s; unknown request fields: %s",
-             ("API key required on every route" if opts.auth_all_routes else
-              "API key required (/health and /metrics open)") if config.api_key else "open (no --api-key)",
+    log.info("access: %s; unknown request fields: %s", _access(config, app.state.keys),
              "refused (--strict-params)" if opts.strict_params else "ignored with a warning")
     sockets = [_shared_socket(opts.host, opts.port)] if opts.api_server_count > 1 else None
     # uvicorn shuts down gracefully on SIGTERM, then restores this handler and raises the signal
@@ -191,6 +202,35 @@ class _Stopped(Exception):
 
 def _raise_stopped(_sig: int, _frame: Any) -> None:
     raise _Stopped()
+
+
+def _access(config: ServerConfig, keys: KeyRing | None) -> str:
+    """The start-up log's words for access control (never a key)."""
+    if keys is None:
+        return "open (no API key)"
+    who = f"{len(keys)} keys of {len(keys.tenants)} tenants"
+    if config.auth_all_routes:
+        return f"API key required on every route; {who}"
+    return f"API key required (/health{' and /metrics' if config.metrics_open else ''} open); {who}"
+
+
+def reload_keys_on_sighup(keys: KeyRing, siblings: Sequence[int] = ()) -> None:
+    """SIGHUP reads the keys file again (a bad file keeps the keys as they are) and is passed on
+    to the other API server processes, which each hold their own keys. Only the main thread can
+    install a handler: elsewhere (a server run on a thread) the keys stay as loaded."""
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("API keys will not be reloaded on SIGHUP: the server does not run on the main thread")
+        return
+
+    def on_hup(signum: int, frame: Any) -> None:
+        keys.reload()
+        for pid in siblings:
+            try:
+                os.kill(pid, signal.SIGHUP)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGHUP, on_hup)
 
 
 def _on_core_death(server: Any, client: "EngineClient", died: list[str], relaunch: Any, log_level: str,
@@ -302,6 +342,8 @@ def api_server_main(opts: ServeOptions, config: ServerConfig, address: str, info
                     core_pid: int, has_tokenizer: bool) -> None:
     """Another API server process over the same engine core (--api-server-count). It is client
     `index` of the core, never its owner: the process that started the core stops it."""
+    if config.api_keys_file:  # a SIGHUP passed on before run_api's handler is in place must not end it
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from spanserve.engine.client import EngineClient
     from spanserve.engine.core_process import ProcessTransport
     from spanserve.model.loader import load_tokenizer

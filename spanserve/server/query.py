@@ -27,6 +27,7 @@ from spanserve.query import Node, QueryError, parse, to_obj
 from spanserve.query.execute import Executor, Job, Outcome
 from spanserve.query.ir import Chat, Generate, Repeat, children
 from spanserve.query.optimize import OptimizeError
+from spanserve.server.auth import namespace_for, tenant_of
 from spanserve.server.context import ServingContext, check_policy, usage_of, wait_disconnect
 from spanserve.server.errors import APIError, bad_request
 from spanserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -47,11 +48,13 @@ class _Cancelled(Exception):
 class EngineRunner:
     """A query's Runner: called on the query's worker thread, runs each wave on the event loop."""
 
-    def __init__(self, engine: EngineClient, loop: asyncio.AbstractEventLoop, query_id: str, namespace: str):
+    def __init__(self, engine: EngineClient, loop: asyncio.AbstractEventLoop, query_id: str, namespace: str,
+                 tenant: str = ""):
         self.engine = engine
         self.loop = loop
         self.query_id = query_id
         self.namespace = namespace
+        self.tenant = tenant
         self._waves = itertools.count()
         self._lock = threading.Lock()
         self._cancelled = False
@@ -59,7 +62,7 @@ class EngineRunner:
 
     def run(self, jobs: list[Job]) -> list[RequestOutput]:
         wave = next(self._waves)
-        specs = [RequestSpec(j.layout, j.params, f"{self.query_id}-{wave}-{k}", self.namespace, j.policy)
+        specs = [RequestSpec(j.layout, j.params, f"{self.query_id}-{wave}-{k}", self.namespace, j.policy, self.tenant)
                  for k, j in enumerate(jobs)]
         with self._lock:  # checked and registered together, so cancel() cannot slip in between
             if self._cancelled:
@@ -142,7 +145,9 @@ async def execute_query(ctx: ServingContext, body: bytes, http: HTTPRequest) -> 
     seed = _seed(http.query_params.get("seed"))
     query = parse_query(body)
     qid = new_id("chatcmpl")
-    runner = EngineRunner(ctx.engine, asyncio.get_running_loop(), qid, http.query_params.get("cache_salt", ""))
+    tenant = tenant_of(http)
+    namespace = namespace_for(tenant, http.query_params.get("cache_salt"))
+    runner = EngineRunner(ctx.engine, asyncio.get_running_loop(), qid, namespace, tenant or "")
     outcome = await _run(ctx, runner, query, policy, seed, http)
     root = [(p, o) for p, o in outcome.outputs.items() if "in" not in p]
     if not root:

@@ -14,6 +14,7 @@ from spanserve.engine.client import EngineDeadError, EngineOverloaded
 from spanserve.engine.layout import Segment
 from spanserve.query.ir import Assistant, Cross, Message, Node, Plus, System, User
 from spanserve.query.plan import Planner
+from spanserve.server.auth import namespace_for
 from spanserve.server.context import ServingContext
 from spanserve.server.errors import APIError, bad_request
 from spanserve.server.protocol import (ChatMessage, PinnedSegment, PinRequest, PinResponse, SpanSegment,
@@ -91,8 +92,9 @@ async def chat_layout(ctx: ServingContext, messages: Sequence[ChatMessage],
 # ---------------------------------------------------------------------------- pinning
 
 
-async def pin_segments(ctx: ServingContext, req: PinRequest) -> PinResponse:
-    namespace = req.cache_salt or ""
+async def pin_segments(ctx: ServingContext, req: PinRequest, tenant: str | None = None) -> PinResponse:
+    """Pin for `tenant` (None without access control): in its namespace, counted against its quota."""
+    namespace = namespace_for(tenant, req.cache_salt)
     segs: list[Segment] = []
     keys: list[str] = []
     for i, s in enumerate(req.segments):
@@ -111,10 +113,9 @@ async def pin_segments(ctx: ServingContext, req: PinRequest) -> PinResponse:
         raise bad_request(f"these segments hold more than the model's {ctx.max_model_len}-token context; "
                           "pin them in smaller requests", param="segments", code="context_length_exceeded")
     try:
-        stream = await ctx.engine.pin(segs, namespace)
-    except ValueError as e:  # over the pin budget, out-of-range token ids
-        raise bad_request(str(e), param="segments", code="pin_budget_exceeded"
-                          if "pin budget" in str(e) else None) from e
+        stream = await ctx.engine.pin(segs, namespace, tenant=tenant or "")
+    except ValueError as e:  # out-of-range token ids
+        raise _pin_refused(e) from e
     except EngineOverloaded as e:
         raise APIError(429, str(e), code="server_overloaded") from e
     except EngineDeadError as e:
@@ -123,9 +124,8 @@ async def pin_segments(ctx: ServingContext, req: PinRequest) -> PinResponse:
     try:
         async for out in stream:
             final = out
-    except ValueError as e:  # the engine core refused it: over the pin budget
-        raise bad_request(str(e), param="segments", code="pin_budget_exceeded"
-                          if "pin budget" in str(e) else None) from e
+    except ValueError as e:  # the engine core refused it: over the pin budget or the tenant's quota
+        raise _pin_refused(e) from e
     except EngineDeadError as e:
         raise APIError(503, str(e), code="engine_unavailable") from e
     finally:
@@ -138,6 +138,12 @@ async def pin_segments(ctx: ServingContext, req: PinRequest) -> PinResponse:
                        cache_salt=req.cache_salt)
 
 
+def _pin_refused(e: ValueError) -> APIError:
+    text = str(e)
+    code = "pin_budget_exceeded" if "pin budget" in text else "pin_quota_exceeded" if "pin quota" in text else None
+    return bad_request(text, param="segments", code=code)
+
+
 async def _decoded(ctx: ServingContext, ids: list[int]) -> str:
     tok: Any = ctx.tokenizer
     if tok is None:
@@ -145,9 +151,12 @@ async def _decoded(ctx: ServingContext, ids: list[int]) -> str:
     return str(await ctx.on_tokenizer(lambda: tok.decode(ids, skip_special_tokens=True)))
 
 
-async def unpin_segment(ctx: ServingContext, key: str, cache_salt: str | None) -> UnpinResponse:
+async def unpin_segment(ctx: ServingContext, key: str, cache_salt: str | None,
+                        tenant: str | None = None) -> UnpinResponse:
+    """Unpin `key` in the tenant's namespace: another tenant's pin is not there, so it gets the
+    404 a key never pinned gets."""
     try:
-        found = await ctx.engine.call("unpin", key, cache_salt or "")
+        found = await ctx.engine.call("unpin", key, namespace_for(tenant, cache_salt))
     except EngineDeadError as e:
         raise APIError(503, str(e), code="engine_unavailable") from e
     if not found:
