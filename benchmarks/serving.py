@@ -7,13 +7,17 @@ driven over loopback HTTP by a load generator in this process.
 2. RAG: 4-8 of 32 shared documents (1-3k tokens) in random order plus a question, sent as span
    layouts (documents as `plus` segments) and as plain prompts of the same tokens; Poisson
    rates rising until p99 TTFT passes the SLO;
-3. the offline engine (LLM.generate, same engine configuration, own process after the server
-   exits) on the saturation burst's requests;
-4. the decode roofline: per decode-only step, weights + KV bytes read over the measured
+3. sharegpt: `vllm bench serve`'s ShareGPT load (1000 requests at once, greedy, ignore_eos,
+   ShareGPT-shaped lengths: benchmarks/common/sharegpt.py), with vLLM's summary lines, after
+   fixed batches of 1, 64 and 256 requests whose decode-only steps give the decode roofline;
+4. the offline engine (LLM.generate, same engine configuration, own process after the server
+   exits) on the saturation burst's (or the ShareGPT load's) requests;
+5. the decode roofline: per decode-only step, weights + KV bytes read over the measured
    device copy bandwidth, against the step wall times the engine records (/metrics).
 
-    python benchmarks/serving.py            # GPU, about 7 minutes including model creation
-    python benchmarks/serving.py --dry      # the whole pipeline on a CPU, tiny model and loads
+    python benchmarks/serving.py                    # GPU: chat and RAG, about 7 minutes with model creation
+    python benchmarks/serving.py --loads sharegpt --out serving_gpu.json   # GPU: ShareGPT, default flags
+    python benchmarks/serving.py --dry              # the whole pipeline on a CPU, tiny model and loads
 
 Two modes run as child processes of that run, each with the device to itself (code in
 benchmarks/common/): `serving.py write-model DIR [--dry]` writes the random checkpoint and prints
@@ -44,6 +48,7 @@ from common import serving_model, serving_offline  # noqa: E402
 from common.serving_load import (RagShape, Request, chat_requests, rag_corpus, rag_requests, run_load,  # noqa: E402
                                  summarize)
 from common.serving_model import FIRST_WORD, SPECIAL_BASE  # noqa: E402
+from common.sharegpt import bound_fraction, fixed_batch, print_summary, sharegpt_requests, vllm_summary  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -105,6 +110,12 @@ class Server:
                 out.setdefault(int(m.group(2)), [0.0, 0.0, 0.0])[
                     ("steps", "step_seconds", "kv_tokens").index(m.group(1))] = float(m.group(3))
         return out
+
+    def gauge(self, name: str) -> float | None:
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        return None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -178,6 +189,27 @@ class Driver:
         self.save()
         return sat
 
+    def sharegpt(self, server: Server) -> list[Request]:
+        """Warm-up, the fixed batches of the decode roofline, then the ShareGPT load."""
+        a, prep = self.args, self.result["model"]
+        mk = lambda seed, n: sharegpt_requests(seed, n, MODEL, FIRST_WORD, self.words)  # noqa: E731
+        self.load(server, mk(7, a.sharegpt_warmup), math.inf, 7)  # JIT compiles, graph captures
+        roof: dict[str, float | None] = {}
+        for batch in a.roofline_batches:
+            before = server.decode_stats()
+            run_load(server.url, fixed_batch(50 + batch, batch, MODEL, FIRST_WORD, self.words), math.inf)
+            steps = stats_diff(server.decode_stats(), before).get(str(batch))
+            roof[str(batch)] = None if steps is None else bound_fraction(
+                steps, prep["weight_bytes"], prep["kv_bytes_per_token"], prep["copy_gbps"])
+            print(f"  decode batch {batch}: {roof[str(batch)] or 0:.1%} of the bandwidth bound", flush=True)
+        reqs = mk(1, a.sharegpt_requests)
+        summary = vllm_summary(run_load(server.url, reqs, math.inf, 1))
+        print_summary(summary)
+        self.result["sharegpt"] = {**summary, "max_num_seqs": server.gauge("spanserve_max_num_seqs")}
+        self.result["decode_roofline"] = roof
+        self.save()
+        return reqs
+
     def rag(self, server: Server) -> None:
         a = self.args
         shape = RagShape(docs=a.rag_docs, doc_tokens=a.rag_doc_tokens, per_request=a.rag_per_request, output_tokens=a.rag_out)
@@ -231,8 +263,8 @@ def offline(a: argparse.Namespace, sat: list[Request], warm: list[Request]) -> d
     tmp = Path(tempfile.mkdtemp())
     for name, reqs in (("sat.json", sat), ("warm.json", warm)):
         (tmp / name).write_text(json.dumps([asdict(r) for r in reqs]))
-    return sh(["offline", str(a.model_dir), "--requests", str(tmp / "sat.json"),
-               "--warmup", str(tmp / "warm.json"), "--max-num-seqs", str(a.max_num_seqs),
+    return sh(["offline", str(a.model_dir), "--requests", str(tmp / "sat.json"), "--warmup", str(tmp / "warm.json"),
+               *(["--max-num-seqs", str(a.max_num_seqs)] if a.max_num_seqs else []),
                *(["--kv-cache-memory", a.kv_cache_memory] if a.kv_cache_memory else [])], timeout=a.reserve + 40)
 
 
@@ -249,6 +281,13 @@ def report(r: dict[str, Any]) -> None:
     rag = r.get("rag", {})
     rows += [row(f"rag {m}", x) for m in ("span", "plain") for x in rag.get(m, [])]
     print("\n" + format_table(heads, rows))
+    if "sharegpt" in r:
+        s = r["sharegpt"]
+        off = s.get("offline_output_tok_s")
+        print(f"\nShareGPT load: server {s['output_tok_s']:.0f} output tok/s, {s['requests_per_s']:.2f} req/s"
+              + (f"; offline engine {off:.0f} tok/s: server/offline = {s['output_tok_s'] / off:.1%}" if off else ""))
+        print("decode-only steps, fraction of the weights + KV bandwidth bound: " + ", ".join(
+            f"batch {b} {f:.0%}" if f is not None else f"batch {b} none" for b, f in r["decode_roofline"].items()))
     if "offline" in r and r.get("chat"):
         sat, off = r["chat"][-1], r["offline"]
         print(f"\nsaturation, same {off['requests']} requests: server {sat['output_tokens_per_s']:.0f} output tok/s, "
@@ -285,7 +324,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dry", action="store_true", help="CPU, tiny model, tiny loads (checks the pipeline)")
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--port", type=int, default=8321)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--loads", default="chat,rag", help="which loads: chat, rag, sharegpt (comma-separated)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="the server's and offline engine's "
+                    "(default: theirs, 256 on a GPU)")
+    ap.add_argument("--sharegpt-requests", type=int, default=None, help="ShareGPT requests (1000)")
+    ap.add_argument("--sharegpt-warmup", type=int, default=None)
+    ap.add_argument("--roofline-batches", type=lambda t: [int(x) for x in t.split(",")], default=None,
+                    help="fixed decode batches for the roofline (1,64,256)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the chunked-prefill budget")
     ap.add_argument("--kv-cache-memory", default=None, help="KV pool size for server and offline engine "
                     "(default: the server's, 80%% of free GPU memory)")
     ap.add_argument("--chat-in", type=float, default=None, help="median prompt tokens (250)")
@@ -312,11 +358,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     gpu = dict(model_dir=Path("/tmp/spanserve-serving-8b"), chat_in=250.0, chat_out=200.0, chat_rates=[6.0, 18.0],
                chat_saturation=192, chat_warmup=96, duration=10.0, rag_docs=32, rag_doc_tokens=(1000, 3000),
                rag_per_request=(4, 8), rag_out=32, span_rates=[2.0, 4.0, 8.0, 16.0, 32.0, 64.0],
-               plain_rates=[0.5, 1.0, 2.0, 4.0], slo=2.0, budget=440.0, reserve=110.0, out="serving.json")
+               plain_rates=[0.5, 1.0, 2.0, 4.0], slo=2.0, budget=440.0, reserve=110.0, out="serving.json",
+               sharegpt_requests=1000, sharegpt_warmup=200, roofline_batches=[1, 64, 256])
     dry = dict(model_dir=Path(tempfile.gettempdir()) / "spanserve-serving-tiny", chat_in=24.0, chat_out=12.0,
                chat_rates=[2.0], chat_saturation=8, chat_warmup=4, duration=2.0, rag_docs=6, rag_doc_tokens=(30, 90),
                rag_per_request=(2, 4), rag_out=4, span_rates=[1.0, 2.0], plain_rates=[1.0], slo=30.0, budget=150.0,
-               reserve=45.0, kv_cache_memory="32MiB", out="serving_dry.json")
+               reserve=45.0, kv_cache_memory="32MiB", out="serving_dry.json", sharegpt_requests=24,
+               sharegpt_warmup=4, roofline_batches=[1, 4])
     for k, v in (dry if a.dry else gpu).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -342,24 +390,31 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)
     d.result["model"] = prep
     d.words = prep["vocab_size"] - SPECIAL_BASE  # random text stays below the special ids
-    kv = ["--kv-cache-memory", a.kv_cache_memory] if a.kv_cache_memory else []
-    server = Server(str(a.model_dir), a.port, ["--max-num-seqs", str(a.max_num_seqs), *kv,
-                                               *(["--no-overlap"] if a.no_overlap else [])])
+    flags = [*(["--kv-cache-memory", a.kv_cache_memory] if a.kv_cache_memory else []),
+             *(["--max-num-seqs", str(a.max_num_seqs)] if a.max_num_seqs else []),
+             *(["--engine-arg", f"max_num_batched_tokens={a.max_num_batched_tokens}"] if a.max_num_batched_tokens else []),
+             *(["--no-overlap"] if a.no_overlap else [])]
+    server = Server(str(a.model_dir), a.port, flags)
     warm = chat_requests(1, a.chat_warmup, MODEL, FIRST_WORD, d.words, a.chat_in, a.chat_out)
     try:
         server.wait_ready(timeout=300)
         d.result["server_log"] = server.startup_log()
         print("server start-up log:\n  " + "\n  ".join(d.result["server_log"]), flush=True)
-        sat = d.chat(server)
-        if not a.no_rag:
+        loads = a.loads.split(",")
+        sat = d.chat(server) if "chat" in loads else []
+        if "rag" in loads and not a.no_rag:
             d.rag(server)
+        if "sharegpt" in loads:
+            sat = d.sharegpt(server)
     finally:
         server.stop()
     roof = {"server": roofline(d.result["chat"][-1]["decode"], prep["weight_bytes"], prep["kv_bytes_per_token"],
-                               prep["copy_gbps"])}
-    if not a.no_offline:
-        print("offline engine on the saturation requests ...", flush=True)
+                               prep["copy_gbps"])} if "chat" in d.result else {}
+    if not a.no_offline and sat:
+        print("offline engine on the same requests ...", flush=True)
         d.result["offline"] = offline(a, sat, warm)
+        if "sharegpt" in d.result:
+            d.result["sharegpt"]["offline_output_tok_s"] = d.result["offline"]["output_tokens_per_s"]
         roof["offline"] = roofline(d.result["offline"]["decode"], prep["weight_bytes"], prep["kv_bytes_per_token"],
                                    prep["copy_gbps"])
     d.result["roofline"] = roof

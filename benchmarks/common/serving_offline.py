@@ -28,7 +28,8 @@ def to_prompt(llm: LLM, req: dict[str, Any]) -> Any:
         return llm.engine.encode(text)
     if "segments" in body:
         return [Segment(token_ids=s["token_ids"], kind=s.get("kind", "cross")) for s in body["segments"]]
-    return list(body["prompt"])
+    prompt = body["prompt"]
+    return llm.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
 
 def params(req: dict[str, Any]) -> SamplingParams:
@@ -48,7 +49,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("model", type=Path)
     ap.add_argument("--requests", type=Path, required=True)
     ap.add_argument("--warmup", type=Path, default=None)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--kv-cache-memory", type=parse_size, default=None)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -70,5 +71,5 @@ def main(argv: list[str]) -> None:
     print(json.dumps({"runtime": llm.runtime.summary(), "load_s": load_s, "requests": len(reqs),
                       "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
                       "requests_per_s": len(reqs) / wall, "decode": decode,
-                      "engine": {"max_num_seqs": args.max_num_seqs, "num_blocks": llm.engine.pool.num_blocks,
+                      "engine": {"max_num_seqs": llm.engine.scheduler.max_num_seqs, "num_blocks": llm.engine.pool.num_blocks,
                                  "runtime": asdict(llm.runtime)}}), flush=True)

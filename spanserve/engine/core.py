@@ -173,6 +173,7 @@ def _stats(core: EngineCore) -> dict[str, Any]:
     pool = e.pool
     return {"blocks_total": pool.num_blocks, "blocks_free": pool.num_free, "blocks_cached": pool.num_cached,
             "block_size": e.block_size, "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+            "max_num_seqs": e.scheduler.max_num_seqs,
             "pinned_segments": e.pins.num_segments, "pinned_blocks": e.pins.num_blocks_held,
             "counters": dict(e.counters), "steps": core.steps,
             "decode": {b: asdict(t) for b, t in e.decode_stats.snapshot().items()},

@@ -44,6 +44,7 @@ class _EngineCollector(Collector):
             ("spanserve_kv_block_size_tokens", "tokens per KV block", s["block_size"]),
             ("spanserve_requests_running", "requests scheduled in the running batch", s["running"]),
             ("spanserve_requests_waiting", "requests queued for admission", s["waiting"]),
+            ("spanserve_max_num_seqs", "requests the running batch may hold", s["max_num_seqs"]),
             ("spanserve_segments_pinned", "segments pinned through /v1/segments or LLMEngine.pin", s["pinned_segments"]),
             ("spanserve_kv_blocks_pinned", "KV blocks held by pinned segments", s["pinned_blocks"]),
         ):
