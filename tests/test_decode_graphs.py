@@ -201,3 +201,26 @@ def test_graph_batch_sizes_cover_every_batch_up_to_the_largest() -> None:
     assert (out.ids, out.pos) == ([5, 6, 0, 0], [3, 9, 0, 0])
     assert [s.tolist() for s in out.slots[2:]] == [[77], [77]] and out.deltas[2:] == [None, None]
     assert padded(rows, 2, 77) is rows
+
+
+@pytest.mark.parametrize("ways", [1, 2, 3])
+@pytest.mark.parametrize("block_n", [4, 16, 128])
+def test_plain_rows_are_written_as_row_by_row(block_n: int, ways: int) -> None:
+    """A step without deltas is written with arrays (write_plain); the bytes equal the row-by-row
+    writer's (write_rows, the reference), rows of every length, tiles split into `ways`."""
+    from spanserve.attention.triton.decode_launch import HostArrays, PlainSpans, decode_spans, write_plain, write_rows
+    from spanserve.attention.triton.graph_decode import Packed, Regions
+
+    rng = np.random.default_rng(block_n * 10 + ways)
+    for _ in range(30):
+        B = int(rng.integers(1, 40))
+        pos = rng.integers(0, 400, B).tolist()
+        slots = [rng.permutation(5000)[:p + 1 + int(rng.integers(0, 5))].astype(np.int64) for p in pos]
+        rows = DecodeRows(rng.integers(0, 1000, B).tolist(), pos, slots, [None] * B)
+        regions = Regions(B, sum(pos) + B, sum(-(-(p + 1) // block_n) for p in pos), max(ways, 1))
+        got, want = (HostArrays.of(Packed.allocate(regions, torch.device("cpu"))) for _ in range(2))
+        write_plain(got, rows, PlainSpans.of(rows, block_n), block_n, ways)
+        index = np.arange(regions.key_cap, dtype=np.int32)
+        assert not write_rows(want, rows, decode_spans(rows, block_n), block_n, index, ways)
+        for field in HostArrays.__dataclass_fields__:
+            assert np.array_equal(getattr(got, field), getattr(want, field)), field

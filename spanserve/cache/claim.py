@@ -100,6 +100,22 @@ class Task:
         self._slots = None
         self._deltas = False
 
+    def extend_last(self, first_slot: int, n: int, delta: int) -> None:
+        """The last entry's block takes n more keys, at slots first_slot..first_slot+n-1 read at
+        `delta` (decode growth inside a block): the table, slots and deltas grown in place."""
+        table = self.entries
+        table[-1, 2] += n
+        slots, have = self._slots, self._n
+        if slots is not None:
+            if have + n > len(slots):
+                slots = self._slots = np.concatenate([slots[:have], np.empty(max(have + n, 2 * have), np.int64)])
+            slots[have:have + n] = range(first_slot, first_slot + n)
+            self._n = have + n
+        if self._deltas is not None and self._deltas is not False:
+            self._deltas = np.concatenate([self._deltas, np.full(n, delta, np.int64)])
+        elif self._deltas is None and delta:
+            self._deltas = False  # no longer all zero: built again when asked
+
     def extend_entries(self, table: Table, added: int) -> None:
         """`table` covers `added` more positions at its end, every earlier one as before (decode
         growth): the cached slots are extended, not rebuilt from every entry, which would cost

@@ -231,14 +231,21 @@ class CacheManager:
         u = req.units[-1]
         bs = self.block_size
         # every block of a unit but its last is full: its length without summing (per step, per row)
-        need = len(task.tokens) - (u.start + (len(u.n_valid) - 1) * bs + u.n_valid[-1])
+        nv = u.n_valid
+        need = len(task.tokens) - (u.start + (len(nv) - 1) * bs + nv[-1])
         if need <= 0:
+            return True
+        old = task.entries
+        # a decode step inside the last block (15 steps in 16): its slots follow, nothing to allocate
+        if need <= bs - nv[-1] and isinstance(old, np.ndarray) and old[-1, 0] == u.blocks[-1].id:
+            task.extend_last(u.blocks[-1].id * bs + nv[-1], need, u.delta)
+            nv[-1] += need
             return True
         grow = min(need, bs - u.n_valid[-1])
         n_new = -(-(need - grow) // bs)
         if self.pool.num_free < n_new:
             return False
-        old, n_old, added = task.entries, len(u.blocks), need
+        n_old, added = len(u.blocks), need
         u.n_valid[-1] += grow
         need -= grow
         for _ in range(n_new):

@@ -67,7 +67,8 @@ def _cache(c: "CacheOptions") -> None:
 def _scheduler(s: "SchedulerOptions") -> None:
     if s.max_num_seqs is not None:
         _int("max_num_seqs", s.max_num_seqs, 1, "or leave it unset: 256 on a GPU, 64 on a CPU")
-    _int("max_num_batched_tokens", s.max_num_batched_tokens, 1)
+    if s.max_num_batched_tokens is not None:
+        _int("max_num_batched_tokens", s.max_num_batched_tokens, 1, "or leave it unset: 8192 on a GPU, 2048 on a CPU")
     if s.max_model_len is not None:
         _int("max_model_len", s.max_model_len, 2, "leave it unset for the model's own context length")
     if not isinstance(s.default_policy, (str, Policy)):

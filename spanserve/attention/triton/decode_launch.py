@@ -43,6 +43,42 @@ class DecodeSpans:
     def total_tiles(self) -> int:
         return sum(self.row_tiles)
 
+    @property
+    def max_row_tiles(self) -> int:
+        return max(self.row_tiles)
+
+
+@dataclass
+class PlainSpans:
+    """Rows without deltas (a plain decode step, the common case at large batch): one span of
+    every key per row, as arrays, so that a step of hundreds of rows is a few numpy calls."""
+
+    n_keys: np.ndarray  # int64 per row
+    row_tiles: np.ndarray
+
+    @classmethod
+    def of(cls, rows: DecodeRows, block_n: int) -> "PlainSpans":
+        n = np.asarray(rows.pos, dtype=np.int64) + 1
+        return cls(n, (n + block_n - 1) // block_n)
+
+    @property
+    def total_keys(self) -> int:
+        return int(self.n_keys.sum())
+
+    @property
+    def total_tiles(self) -> int:
+        return int(self.row_tiles.sum())
+
+    @property
+    def max_row_tiles(self) -> int:
+        return int(self.row_tiles.max())
+
+
+def spans_of(rows: DecodeRows, block_n: int) -> "DecodeSpans | PlainSpans":
+    if all(d is None for d in rows.deltas):
+        return PlainSpans.of(rows, block_n)
+    return decode_spans(rows, block_n)
+
 
 def decode_spans(rows: DecodeRows, block_n: int) -> DecodeSpans:
     out = DecodeSpans([], [], [], [], [], [])
@@ -105,11 +141,46 @@ class HostArrays:
         return cls(**{f: getattr(p, f).numpy() for f in cls.__dataclass_fields__})
 
 
-def write_step(host: HostArrays, rows: DecodeRows, spans: DecodeSpans, block_n: int, index: np.ndarray,
-               ways: int = 1) -> bool:
+def write_step(host: HostArrays, rows: DecodeRows, spans: "DecodeSpans | PlainSpans", block_n: int,
+               index: np.ndarray, ways: int = 1) -> bool:
     """Fill a host buffer with one step, each row's tiles shared among `ways` programs; returns
     whether some tile rotates (fused delta). `index`: arange of at least the longest row's keys
     (int32), which tile starts are slices of."""
+    if isinstance(spans, PlainSpans):
+        write_plain(host, rows, spans, block_n, ways)
+        return False
+    return write_rows(host, rows, spans, block_n, index, ways)
+
+
+def write_plain(host: HostArrays, rows: DecodeRows, spans: PlainSpans, block_n: int, ways: int = 1) -> None:
+    """`write_rows` for rows without deltas, over arrays (the same bytes: tests/test_decode_graphs.py)."""
+    n, tiles = spans.n_keys, spans.row_tiles
+    B, T, K = len(n), int(tiles.sum()), int(n.sum())
+    key_base, t0 = np.cumsum(n) - n, np.cumsum(tiles) - tiles
+    pos = n - 1
+    host.ids[:] = rows.ids
+    host.positions[:] = pos
+    host.q_pos[:] = pos
+    np.concatenate([s[:k] for s, k in zip(rows.slots, n.tolist())], out=host.key_slots[:K], casting="unsafe")
+    host.write_slots[:] = host.key_slots[key_base + pos]
+    desc = np.zeros((B, NUM_FIELDS), dtype=np.int64)
+    b = np.arange(B)
+    desc[:, F_TOK0], desc[:, F_TOK1], desc[:, F_LOC0] = b, b + 1, b
+    desc[:, F_KEY_BASE], desc[:, F_MIN_T] = key_base, pos
+    desc[:, F_PART0 + 2] = desc[:, F_PART0 + 3] = desc[:, F_PART0 + 6] = t0
+    desc[:, F_PART0 + 5], desc[:, F_PART0 + 7] = n, t0 + tiles
+    desc = shares_in_order(desc, ways)  # longest first (stable), as the per-row path orders them
+    host.desc[:len(desc)] = desc
+    ts, te = host.tile_start[:T], host.tile_end[:T]
+    ts[:] = (np.arange(T) - np.repeat(t0, tiles)) * block_n  # tile k of a row starts k * BLOCK_N in
+    np.add(ts, block_n, out=te)
+    te[t0 + tiles - 1] = n
+    host.tile_delta[:T] = 0
+
+
+def write_rows(host: HostArrays, rows: DecodeRows, spans: DecodeSpans, block_n: int, index: np.ndarray,
+               ways: int = 1) -> bool:
+    """`write_step` row by row, for rows with deltas (spans of equal delta)."""
     host.ids[:] = rows.ids
     host.positions[:] = rows.pos
     host.q_pos[:] = rows.pos

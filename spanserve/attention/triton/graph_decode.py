@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from spanserve.attention.decode import DecodeRows
-from spanserve.attention.triton.decode_launch import HostArrays, decode_spans, write_step
+from spanserve.attention.triton.decode_launch import HostArrays, spans_of, write_step
 from spanserve.attention.triton.graph_buffers import carve, grown, pack_offsets
 from spanserve.attention.triton.launch import NUM_FIELDS, Launch, SplitPolicy, StepLayout, decode_split, empty_launch
 
@@ -135,8 +135,8 @@ class StaticDecode:
         step's kernels are queued."""
         if len(rows) != self.batch:
             raise ValueError(f"this static layout holds {self.batch} decode rows, the step has {len(rows)}")
-        spans = decode_spans(rows, block_n)
-        ways = 1 if self.split is None else self.split.ways(self.batch, max(spans.row_tiles))
+        spans = spans_of(rows, block_n)
+        ways = 1 if self.split is None else self.split.ways(self.batch, spans.max_row_tiles)
         moved = self._grow(spans.total_keys, spans.total_tiles)
         self.fence()  # in case the last step's caller did not
         i = self._turn
