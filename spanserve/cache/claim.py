@@ -51,6 +51,7 @@ class Task:
     seg_start: int | None = None
     _slots: Any = field(default=None, repr=False)  # a buffer with room to grow; `slots` is its first _n
     _n: int = field(default=0, repr=False)
+    _own_table: bool = field(default=False, repr=False)  # entries is this task's alone (others share admission's)
     _deltas: Any = field(default=False, repr=False)  # False: not computed yet (None is a value)
 
     @property
@@ -95,7 +96,15 @@ class Task:
         spec, self.recompute = self.recompute, None
         return positions, spec
 
+    def own_table(self) -> Table:
+        """The key table, copied once if other tasks may hold it too (admission shares one table
+        between a request's tasks and hands segment tasks views of it): then grown in place."""
+        if not self._own_table:
+            self.entries, self._own_table = np.array(self.entries, dtype=np.int64), True
+        return self.entries
+
     def set_entries(self, entries: "list[Entry] | Table") -> None:
+        self._own_table = False
         self.entries = entries
         self._slots = None
         self._deltas = False
@@ -103,7 +112,7 @@ class Task:
     def extend_last(self, first_slot: int, n: int, delta: int) -> None:
         """The last entry's block takes n more keys, at slots first_slot..first_slot+n-1 read at
         `delta` (decode growth inside a block): the table, slots and deltas grown in place."""
-        table = self.entries
+        table = self.own_table()
         table[-1, 2] += n
         slots, have = self._slots, self._n
         if slots is not None:
@@ -116,12 +125,13 @@ class Task:
         elif self._deltas is None and delta:
             self._deltas = False  # no longer all zero: built again when asked
 
-    def extend_entries(self, table: Table, added: int) -> None:
+    def extend_entries(self, table: Table, added: int, owned: bool = False) -> None:
         """`table` covers `added` more positions at its end, every earlier one as before (decode
         growth): the cached slots are extended, not rebuilt from every entry, which would cost
         O(context) per request per step; all-zero deltas stay None while the new keys are too."""
         slots, n, deltas = self._slots, self._n, self._deltas
         self.set_entries(table)
+        self._own_table = owned  # `table` is new, or already this task's own
         if slots is not None:  # appended in place, the buffer doubled when full: O(added) a step
             if n + added > len(slots):
                 slots = np.concatenate([slots[:n], np.empty(max(n + added, 2 * n), dtype=np.int64)])

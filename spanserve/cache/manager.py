@@ -237,7 +237,8 @@ class CacheManager:
             return True
         old = task.entries
         # a decode step inside the last block (15 steps in 16): its slots follow, nothing to allocate
-        if need <= bs - nv[-1] and isinstance(old, np.ndarray) and old[-1, 0] == u.blocks[-1].id:
+        if (need <= bs - nv[-1] and isinstance(old, np.ndarray) and old[-1, 0] == u.blocks[-1].id
+                and old[-1, 2] == nv[-1]):
             task.extend_last(u.blocks[-1].id * bs + nv[-1], need, u.delta)
             nv[-1] += need
             return True
@@ -260,10 +261,11 @@ class CacheManager:
         if (isinstance(old, np.ndarray) and n_old and len(old) == sum(len(x.blocks) for x in req.units) - n_new
                 and old[-1, 0] == u.blocks[n_old - 1].id and old[-1, 2] + grow == u.n_valid[n_old - 1]):
             if n_new:
-                task.extend_entries(grown(old, grow, u.blocks[n_old:], u.delta, u.n_valid[n_old:]), added)
-            else:  # the last block took the new tokens: the table is the task's own, grown in place
-                old[-1, 2] += grow
-                task.extend_entries(old, added)
+                task.extend_entries(grown(old, grow, u.blocks[n_old:], u.delta, u.n_valid[n_old:]), added, owned=True)
+            else:  # the last block took the new tokens: grown in place, in the task's own table
+                table = task.own_table()
+                table[-1, 2] += grow
+                task.extend_entries(table, added, owned=True)
         else:
             task.set_entries(self.entries(req.units))
         return True
