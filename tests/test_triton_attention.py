@@ -338,3 +338,32 @@ def test_engine_runs_the_backend_sized_for_its_model() -> None:
                       num_heads=2, num_kv_heads=1, head_dim=128, max_position_embeddings=256)
     eng = make_engine(RandomWeights(cfg, seed=0), dtype="float32", num_blocks=8, backend=TritonBackend())
     assert (eng.executor.backend.prefill_cfg.block_m, eng.executor.backend.decode_cfg.block_n) == (64, 64)
+
+
+@pytest.mark.parametrize("ways_target", [0, 12, 64])
+def test_decode_rows_described_over_arrays_as_row_by_row(ways_target: int) -> None:
+    """A launch of decode rows (one causal query at the row's last key, deltas in runs) is
+    described with arrays; it equals the row-by-row description, splits included."""
+    from spanserve.attention.triton.launch import SplitPolicy, _describe_decodes, _describe_host, _describe_rows, _RowHost
+
+    rng = np.random.default_rng(ways_target)
+    for _ in range(40):
+        rows, q0, key_base = [], int(rng.integers(0, 5)), 0
+        for _ in range(int(rng.integers(1, 30))):
+            n = int(rng.integers(1, 300))
+            cuts = np.sort(rng.choice(np.arange(1, n), size=min(n - 1, int(rng.integers(0, 4))), replace=False)) \
+                if n > 1 else np.zeros(0, dtype=np.int64)
+            starts = np.concatenate(([0], cuts)).astype(np.int64)
+            ends = np.concatenate((cuts, [n])).astype(np.int64)
+            delta = rng.integers(-50, 50, len(starts)) * (rng.random() < 0.6)
+            rows.append(_RowHost(q0, q0 + 1, key_base, n, starts, ends, delta.astype(np.int64),
+                                 np.array([n - 1]), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)))
+            q0, key_base = q0 + 1 + int(rng.integers(0, 3)), key_base + n
+        split = SplitPolicy(ways_target) if ways_target else None
+        bn = int(rng.choice([4, 16, 64]))
+        fast, slow = _describe_host(rows, 16, bn, False, split), _describe_rows(rows, 16, bn, False, split)
+        assert np.array_equal(_describe_decodes(rows, bn)[0][:, 0], [r.q_start for r in rows])
+        for field in ("desc", "tile_start", "tile_end", "tile_delta", "tokens"):
+            a, b = getattr(fast, field), getattr(slow, field)
+            assert (a is None and b is None) or np.array_equal(a, b), field
+        assert (fast.split, fast.fused_delta) == (slow.split, slow.fused_delta)

@@ -334,8 +334,54 @@ class HostLaunch:
     rot_delta: np.ndarray | None
 
 
+def _simple_decodes(rows: list[_RowHost]) -> bool:
+    """Every row is one causal query at its last key: a decode row (all of a mixed step's decode
+    launch, as a rule), which `_describe_decodes` describes over arrays."""
+    return all(r.q_end - r.q_start == 1 and r.q_pos[0] == r.n_keys - 1 and not r.anchor[0] and not r.seg[0]
+               for r in rows)
+
+
+def _describe_decodes(rows: list[_RowHost], bn: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(desc, tile_start, tile_end, tile_delta) of `_simple_decodes` rows, tiles never crossing a
+    span: what the row-by-row loop gives for them (tests/test_triton_attention.py checks it)."""
+    B = len(rows)
+    n_spans = np.fromiter((len(r.span_starts) for r in rows), np.int64, B)
+    s_start = np.concatenate([r.span_starts for r in rows]).astype(np.int64)
+    s_end = np.concatenate([r.span_ends for r in rows]).astype(np.int64)
+    s_delta = np.concatenate([r.span_delta for r in rows]).astype(np.int64)
+    count = -(-(s_end - s_start) // bn)  # tiles per span
+    span = np.repeat(np.arange(len(count)), count)
+    first = np.repeat(np.cumsum(count) - count, count)
+    ts = s_start[span] + (np.arange(int(count.sum())) - first) * bn
+    te = np.minimum(ts + bn, s_end[span])
+    row_tiles = np.add.reduceat(count, np.cumsum(n_spans) - n_spans)
+    t0 = np.cumsum(row_tiles) - row_tiles
+    q = np.fromiter((r.q_start for r in rows), np.int64, B)
+    n = np.fromiter((r.n_keys for r in rows), np.int64, B)
+    d = np.zeros((B, NUM_FIELDS), dtype=np.int64)
+    d[:, F_TOK0], d[:, F_TOK1], d[:, F_LOC0] = q, q + 1, np.arange(B)
+    d[:, F_KEY_BASE] = np.fromiter((r.key_base for r in rows), np.int64, B)
+    d[:, F_PART0 + 2] = d[:, F_PART0 + 3] = d[:, F_PART0 + 6] = t0  # part 0 (no anchor): empty
+    d[:, F_PART0 + 5], d[:, F_PART0 + 7] = n, t0 + row_tiles
+    d[:, F_MIN_T] = n - 1
+    return d, ts, te, s_delta[span]
+
+
 def _describe_host(rows: list[_RowHost], bq: int, bn: int, prerotate: bool,
                    split: SplitPolicy | None = None, fixed_ways: bool = False) -> HostLaunch:
+    if rows and not prerotate and _simple_decodes(rows):
+        desc, ts, te, td = _describe_decodes(rows, bn)
+        ways = 1
+        if split is not None:
+            ways = split.ways(len(desc), None if fixed_ways else int(_tile_counts(desc).max()))
+        tokens = np.fromiter((r.q_start for r in rows), np.int64, len(rows)) if ways > 1 else None
+        return HostLaunch(shares_in_order(desc, ways), ts, te, td, bool(td.any()), ways, tokens, None, None)
+    return _describe_rows(rows, bq, bn, prerotate, split, fixed_ways)
+
+
+def _describe_rows(rows: list[_RowHost], bq: int, bn: int, prerotate: bool,
+                   split: SplitPolicy | None = None, fixed_ways: bool = False) -> HostLaunch:
+    """`_describe_host` row by row: any rows (prefills, anchored or segment rows, prerotation)."""
     out: list[np.ndarray] = []
     tiles: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     rot_keys: list[np.ndarray] = []
