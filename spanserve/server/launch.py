@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from spanserve.engine.config import EngineConfig
 from spanserve.server.context import ServerConfig
+from spanserve.server.limits import RequestLimits
 from spanserve.worker.storage import bytes_per_block
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ class ServeOptions:
     api_server_count: int = 1  # API server processes sharing the port and the one engine core
     restart_engine: bool = False  # a core that dies is replaced (default: the server exits non-zero)
     step_timeout_s: float = 60.0  # /health is 503 once requests wait this long on a core that finishes no step
+    limits: RequestLimits = field(default_factory=RequestLimits)  # bounds on one request (server/limits.py)
 
     def check(self) -> None:
         if self.api_server_count < 1:
@@ -64,6 +66,7 @@ class ServeOptions:
             raise ValueError("--restart-engine needs one API server and the engine core in its own process")
         if not self.step_timeout_s > 0:
             raise ValueError(f"--step-timeout must be > 0 seconds, got {self.step_timeout_s}")
+        self.limits.check()
 
 
 def _log_engine(engine: "LLMEngine", seconds: float) -> None:
@@ -123,7 +126,8 @@ def server_config(opts: ServeOptions, engine_config: EngineConfig) -> ServerConf
     return ServerConfig(served_model_name=opts.served_model_name or default_served_name(source), model_source=source,
                         max_pending=engine_config.scheduler.max_num_seqs + opts.max_queued_requests,
                         strict_params=opts.strict_params, api_key=resolve_api_key(opts.api_key, os.environ),
-                        auth_all_routes=opts.auth_all_routes, step_timeout_s=opts.step_timeout_s)
+                        auth_all_routes=opts.auth_all_routes, step_timeout_s=opts.step_timeout_s,
+                        limits=opts.limits)
 
 
 def _client(transport: Any, tokenizer: Any, info: "EngineInfo", config: ServerConfig, client_id: int = 0) -> "EngineClient":
@@ -205,8 +209,10 @@ def _shared_socket(host: str, port: int) -> socket.socket:
 
 def _spawn_api_server(opts: ServeOptions, config: ServerConfig, address: str, info: "EngineInfo", client_id: int,
                       core_pid: int) -> Any:
+    # Not a daemon: it starts grammar compile workers, and daemonic processes may have no children
+    # (`serve` stops it when it returns; it exits by itself when the core is gone).
     proc = mp.get_context("spawn").Process(target=api_server_main, name=f"spanserve-api-{client_id}",
-                                           args=(opts, config, address, info, client_id, core_pid), daemon=True)
+                                           args=(opts, config, address, info, client_id, core_pid))
     proc.start()
     return proc
 
