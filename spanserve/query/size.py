@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ir import Chat, Generate, Message, Node, Repeat, Retrieve, children
+from .ir import Chat, Generate, Group, Message, Node, Repeat, Retrieve, children
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,10 @@ def _count(node: Node, memo: dict[int, _Count]) -> _Count:
     hit = memo.get(id(node))
     if hit is not None:
         return hit
-    kids = [_count(k, memo) for k in children(node)]
-    nodes = 1 + sum(k.nodes for k in kids)
+    sub = children(node)
+    kids = [_count(k, memo) for k in sub]
+    # A repeat becomes a par of its copies, except in a group, whose children the copies become.
+    nodes = 1 + sum(k.nodes - (isinstance(node, Group) and isinstance(n, Repeat)) for k, n in zip(kids, sub))
     gens = sum(k.generations for k in kids)
     text = sum(k.text for k in kids)
     worst = max((k.worst for k in kids), default=0)
