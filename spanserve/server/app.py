@@ -133,12 +133,14 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/completions")
     async def completions(http: Request) -> Response:
         req = CompletionRequest.model_validate_json(await read_body(http))
+        ctx.check_sampling(req, req.prompt_count())  # before anything walks a long field
         screen(req, config.strict_params, "/v1/completions")
         return await create_completion(ctx, req, http)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request) -> Response:
         req = ChatCompletionRequest.model_validate_json(await read_body(http))
+        ctx.check_sampling(req, 1)
         screen(req, config.strict_params, "/v1/chat/completions")
         return await create_chat_completion(ctx, req, http)
 

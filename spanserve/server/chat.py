@@ -36,7 +36,6 @@ def _logprobs(ctx: ServingContext, entries: Sequence[TokenLogprobs | None]) -> C
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, http: HTTPRequest) -> Response:
     ctx.check_model(req.model)
-    ctx.check_sampling(req, 1)
     prompt: Prompt
     if is_span_chat(req.messages):
         prompt = await chat_layout(ctx, req.messages, req.add_generation_prompt)

@@ -82,17 +82,14 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
     prompts: list[Prompt]
     echo: _Echo | None = None
     if req.segments is not None:
-        ctx.check_sampling(req, 1)
         prompts = [await completion_layout(ctx, req.segments)]
     else:
         try:
             batch = req.prompts()
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from e
-        ctx.check_sampling(req, len(batch))
-        for p in batch:  # all of them before any is tokenized
-            if isinstance(p, str):
-                ctx.check_chars(len(p), "prompt")
+        for p in batch:  # all of them before any is tokenized or copied
+            ctx.check_size(p, "prompt")
         prompts = [await ctx.encode(p) for p in batch]
         if req.echo:
             echo = await _echo_of(ctx, batch, prompts)

@@ -32,8 +32,8 @@ from spanserve.engine.sampling import TokenLogprobs
 from spanserve.reuse.policies import resolve_policy
 from spanserve.server.errors import APIError, bad_request
 from spanserve.server.grammars import GrammarPool
-from spanserve.server.limits import (RequestLimits, check_chars, check_choices, check_stops, chars_per_token,
-                                     message_chars)
+from spanserve.server.limits import (RequestLimits, check_chars, check_choices, check_logit_bias, check_stops,
+                                     chars_per_token, message_chars)
 from spanserve.server.metrics import ServerMetrics
 from spanserve.server.protocol import (
     SEED_MAX,
@@ -153,10 +153,18 @@ class ServingContext:
     def check_chars(self, chars: int, param: str, what: str = "the prompt") -> None:
         check_chars(chars, self.max_prompt_chars, param, what)
 
+    def check_size(self, prompt: str | list[int], param: str) -> None:
+        """Text longer in characters, or token ids more, than the context can take."""
+        if isinstance(prompt, str):
+            self.check_chars(len(prompt), param)
+        elif len(prompt) >= self.max_model_len:
+            self._budget(len(prompt), None)
+
     def check_sampling(self, req: SamplingRequest, prompts: int) -> None:
-        """The request's own bounds (stop strings, choices), before any prompt is tokenized."""
+        """The request's own bounds (stop strings, logit_bias, choices), before any prompt is tokenized."""
         check_stops(_stops(req), req.stop_token_ids, self.limits)
         check_choices(req.n, prompts, self.limits)
+        check_logit_bias(req.logit_bias, self.limits)
 
     # ---- model and prompts ----------------------------------------------------------------
     def check_model(self, name: str | None) -> None:

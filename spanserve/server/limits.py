@@ -36,6 +36,7 @@ class RequestLimits:
     max_stop_chars: int = 256  # per stop string
     max_stop_token_ids: int = 256
     max_choices: int = 64  # n x prompts in one completions request: each is a sequence in the engine
+    max_logit_bias: int = 1024  # logit_bias entries
     max_schema_bytes: int = 128 << 10  # a response_format schema as compact JSON
     max_pattern_repeat: int = 1000  # the count of one regex repetition, e.g. [a-z]{1,1000}
     max_nested_repeat: int = 100  # the product of the counts of nested ones, e.g. (a{1,10}){1,10}
@@ -46,7 +47,8 @@ class RequestLimits:
     max_query_generations: int = 1024  # a span query's generations with every repeat expanded
 
     def check(self) -> RequestLimits:
-        for name in ("max_body_bytes", "max_stop_strings", "max_stop_chars", "max_choices", "max_schema_bytes",
+        for name in ("max_body_bytes", "max_stop_strings", "max_stop_chars", "max_choices", "max_logit_bias",
+                     "max_schema_bytes",
                      "max_pattern_repeat", "max_nested_repeat", "grammar_workers", "tokenizer_workers",
                      "max_query_nodes", "max_query_generations"):
             if getattr(self, name) < 1:
@@ -121,7 +123,13 @@ def check_choices(n: int, prompts: int, limits: RequestLimits) -> None:
     if n * prompts > limits.max_choices:
         raise bad_request(f"{prompts} prompts x n={n} asks for {n * prompts} sequences; at most "
                           f"{limits.max_choices} per request: send fewer prompts or a smaller n, or split the "
-                          "request", param="n", code="too_many_choices")
+                          "request", param="n" if n > 1 else "prompt", code="too_many_choices")
+
+
+def check_logit_bias(bias: dict[str, float] | None, limits: RequestLimits) -> None:
+    if bias is not None and len(bias) > limits.max_logit_bias:
+        raise bad_request(f"logit_bias has {len(bias)} entries; at most {limits.max_logit_bias}",
+                          param="logit_bias", code="too_many_logit_bias_entries")
 
 
 # ---- response formats --------------------------------------------------------------------------
