@@ -33,7 +33,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # this checkout's spanserve
-from common import format_table, write_json  # noqa: E402
+from common import format_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = {"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0.0}
@@ -221,10 +221,10 @@ def report(result: dict[str, Any]) -> tuple[str, bool]:
     rows += [_row(n, r, idle) for n, r in result["residual"].items()]
     table = format_table(["unfriendly request", "status", "rejected after s", "probes", "probe p50 ms",
                           "p50 / idle", "probe max ms", "max / idle max"], rows)
-    head = f"idle (probed before each class): {idle['probes']} probes, p50 {idle['p50_s'] * 1e3:.1f} ms, " \
-           f"max {idle['max_s'] * 1e3:.1f} ms"
-    return f"{head}\n{table}\nprobe max within 2x idle max for every class (residual aside): " \
-           f"{'yes' if ok else 'NO'}", ok
+    head = (f"idle (probed before each class): {idle['probes']} probes, p50 {idle['p50_s'] * 1e3:.1f} ms, "
+            f"max {idle['max_s'] * 1e3:.1f} ms")
+    verdict = f"probe max within 2x idle max for every class (residual aside): {'yes' if ok else 'NO'}"
+    return f"{head}\n{table}\n{verdict}", ok
 
 
 def main(argv: list[str] | None = None) -> int:
