@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import threading
 import time
@@ -286,14 +285,14 @@ class EngineClient:
                         arrival_time=time.monotonic())
 
     async def _compile_grammars(self, prepared: list[Prepared]) -> None:
-        compiled: dict[str, Any] = {}  # the n choices of a request share one format: one compile
+        compiled: dict[int, Any] = {}  # the choices of a request share its format object: one compile
         for p in prepared:
             fmt = p.params.response_format
             if fmt is None:
                 continue
             if self.compile_grammar is None:
                 raise ValueError("response_format is not supported by this server")
-            key = json.dumps(fmt, sort_keys=True)
+            key = id(fmt)
             if key not in compiled:
                 compiled[key] = await self.compile_grammar(fmt)
             p.grammar = compiled[key]

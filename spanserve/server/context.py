@@ -32,8 +32,8 @@ from spanserve.engine.sampling import TokenLogprobs
 from spanserve.reuse.policies import resolve_policy
 from spanserve.server.errors import APIError, bad_request
 from spanserve.server.grammars import GrammarPool
-from spanserve.server.limits import (RequestLimits, check_chars, check_choices, check_logit_bias, check_stops,
-                                     chars_per_token, message_chars)
+from spanserve.server.limits import (RequestLimits, check_chars, check_choices, check_logit_bias, check_schema,
+                                     check_stops, chars_per_token, message_chars)
 from spanserve.server.metrics import ServerMetrics
 from spanserve.server.protocol import (
     SEED_MAX,
@@ -161,10 +161,15 @@ class ServingContext:
             self._budget(len(prompt), None)
 
     def check_sampling(self, req: SamplingRequest, prompts: int) -> None:
-        """The request's own bounds (stop strings, logit_bias, choices), before any prompt is tokenized."""
-        check_stops(_stops(req), req.stop_token_ids, self.limits)
+        """The request's own bounds (stop strings, logit_bias, choices, the response format's size),
+        before any prompt is tokenized or any SamplingParams reads the format."""
+        check_stops(_stops(req), req.stop_token_ids, self.limits, self.engine.info.vocab_size)
         check_choices(req.n, prompts, self.limits)
         check_logit_bias(req.logit_bias, self.limits)
+        try:
+            check_schema(req.response_format, self.limits)
+        except ValueError as e:
+            raise bad_request(str(e), param="response_format", code=getattr(e, "code", None)) from e
 
     # ---- model and prompts ----------------------------------------------------------------
     def check_model(self, name: str | None) -> None:

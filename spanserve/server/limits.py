@@ -34,7 +34,7 @@ class RequestLimits:
     max_prompt_chars: int | None = None
     max_stop_strings: int = 16  # OpenAI allows 4; every step checks each one
     max_stop_chars: int = 256  # per stop string
-    max_stop_token_ids: int = 256
+    max_stop_token_ids: int | None = None  # None: the vocabulary's size (more ids cannot be distinct)
     max_choices: int = 64  # n x prompts in one completions request: each is a sequence in the engine
     max_logit_bias: int = 1024  # logit_bias entries
     max_schema_bytes: int = 128 << 10  # a response_format schema as compact JSON
@@ -53,6 +53,8 @@ class RequestLimits:
                      "max_query_nodes", "max_query_generations"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_stop_token_ids is not None and self.max_stop_token_ids < 1:
+            raise ValueError(f"max_stop_token_ids must be >= 1 (or unset), got {self.max_stop_token_ids}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be >= 1 (or unset), got {self.max_prompt_chars}")
         if not self.grammar_timeout_s > 0:
@@ -106,7 +108,8 @@ def message_chars(messages: Sequence[Any]) -> int:
 
 
 # ---- sampling ----------------------------------------------------------------------------------
-def check_stops(stops: Sequence[str], stop_token_ids: Sequence[int] | None, limits: RequestLimits) -> None:
+def check_stops(stops: Sequence[str], stop_token_ids: Sequence[int] | None, limits: RequestLimits,
+                vocab_size: int) -> None:
     if len(stops) > limits.max_stop_strings:
         raise bad_request(f"stop has {len(stops)} strings; at most {limits.max_stop_strings} per request",
                           param="stop", code="too_many_stop_strings")
@@ -114,8 +117,9 @@ def check_stops(stops: Sequence[str], stop_token_ids: Sequence[int] | None, limi
         if len(s) > limits.max_stop_chars:
             raise bad_request(f"stop string {i} has {len(s)} characters; at most {limits.max_stop_chars}",
                               param="stop", code="stop_string_too_long")
-    if stop_token_ids is not None and len(stop_token_ids) > limits.max_stop_token_ids:
-        raise bad_request(f"stop_token_ids has {len(stop_token_ids)} ids; at most {limits.max_stop_token_ids}",
+    most = limits.max_stop_token_ids or vocab_size
+    if stop_token_ids is not None and len(stop_token_ids) > most:
+        raise bad_request(f"stop_token_ids has {len(stop_token_ids)} ids; at most {most}",
                           param="stop_token_ids", code="too_many_stop_token_ids")
 
 
