@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from spanserve.engine.config import EngineConfig
+    from spanserve.server.limits import RequestLimits
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -102,7 +103,15 @@ def _serve(args: argparse.Namespace) -> int:
         api_keys_file=args.api_keys_file, auth_all_routes=args.auth_all_routes, metrics_open=args.metrics_open,
         strict_params=args.strict_params,
         engine_process=not args.no_engine_process, api_server_count=args.api_server_count,
-        restart_engine=args.restart_engine, step_timeout_s=args.step_timeout))
+        restart_engine=args.restart_engine, step_timeout_s=args.step_timeout, limits=_limits(args)))
+
+
+def _limits(args: argparse.Namespace) -> RequestLimits:
+    from spanserve.server.limits import RequestLimits
+
+    return RequestLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                         grammar_timeout_s=args.grammar_timeout, grammar_workers=args.grammar_workers,
+                         tokenizer_workers=args.tokenizer_workers)
 
 
 def _serve_cluster(args: argparse.Namespace) -> int:
@@ -179,6 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start a new engine core when it dies (default: the server exits non-zero)")
     p.add_argument("--step-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="/health answers 503 once requests have waited this long on a core that finishes no step")
+    p.add_argument("--tokenizer-workers", type=int, default=2,
+                   help="threads per API server that tokenize, each with a tokenizer copy of its own")
+    p.add_argument("--grammar-workers", type=int, default=2,
+                   help="processes per API server that compile response_format grammars (started on first use)")
+    p.add_argument("--grammar-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="a response_format that takes longer to compile is refused (400) and its worker killed")
+    lim = s.add_argument_group("request limits (see docs/security.md)")
+    lim.add_argument("--max-body-bytes", type=_size, default=64 << 20, metavar="SIZE",
+                     help="request bodies beyond this get 413, counted while they stream in (default 64MiB)")
+    lim.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
+                     help="text prompts beyond this many characters get 400 before they are tokenized "
+                          "(default: max model len x 128, more than any prompt that fits can have)")
     s.set_defaults(func=_serve)
     c = sub.add_parser("serve-cluster", help="serve replicas behind a segment-aware router on Ray Serve")
     _engine_args(c)

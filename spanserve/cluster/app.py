@@ -24,10 +24,11 @@ from spanserve.cluster.ray_router import SegmentRequestRouter
 from spanserve.cluster.routing import RouteKey
 from spanserve.engine.config import EngineConfig
 from spanserve.engine.runtime import Platform, detect_platform
+from spanserve.server.errors import APIError
+from spanserve.server.limits import RequestLimits, read_body
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 << 20
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection"}
 
 
@@ -139,15 +140,17 @@ class Gateway:
         opts = ClusterOptions(**options)
         self.engines = engines
         self.retries = opts.retries
+        self.max_body_bytes = RequestLimits().max_body_bytes  # the replicas' own limit, checked here first
         config = opts.engine_config()
         self.keys = KeyMaker(load_tokenizer(opts.model), config.cache.block_size,
                              str(config.scheduler.default_policy))
 
     @gateway_api.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def proxy(self, path: str, request: Request) -> Response:
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            return error_response(413, f"request body over {MAX_BODY_BYTES} bytes", "body_too_large")
+        try:
+            body = await read_body(request, self.max_body_bytes)
+        except APIError as e:
+            return e.response()
         call = HTTPCall(request.method, "/" + path, request.url.query, tuple(request.headers.items()), body)
         keys: list[RouteKey] = []
         if request.method == "POST":

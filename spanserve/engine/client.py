@@ -306,11 +306,17 @@ class EngineClient:
                         arrival_time=time.monotonic(), tenant=spec.tenant)
 
     async def _compile_grammars(self, prepared: list[Prepared]) -> None:
+        compiled: dict[int, Any] = {}  # the choices of a request share its format object: one compile
         for p in prepared:
-            if p.params.response_format is not None:
-                if self.compile_grammar is None:
-                    raise ValueError("response_format is not supported by this server")
-                p.grammar = await self.compile_grammar(p.params.response_format)
+            fmt = p.params.response_format
+            if fmt is None:
+                continue
+            if self.compile_grammar is None:
+                raise ValueError("response_format is not supported by this server")
+            key = id(fmt)
+            if key not in compiled:
+                compiled[key] = await self.compile_grammar(fmt)
+            p.grammar = compiled[key]
 
     def _send(self, items: list[tuple[Prepared, Any]]) -> list[RequestStream]:
         streams = []

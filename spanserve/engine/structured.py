@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,14 +23,23 @@ import torch
 
 log = logging.getLogger(__name__)
 SEPARATORS = (",", ":")
+OPENED_TEXTS = 8
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:line: "; the rest is the reason.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 
 
+TOO_COMPLEX = "response_format_too_complex"  # the error code of a format refused for its size or compile time
+
+
 class ResponseFormatError(ValueError):
-    """A response_format the server cannot honour; `param` names the request field at fault."""
+    """A response_format the server cannot honour; `param` names the request field at fault,
+    `code` the kind of refusal (None: not a usable JSON Schema)."""
 
     param = "response_format"
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,7 @@ class Grammars:
         self._compiler: Any = None
         self._info: Any = None  # xgrammar's TokenizerInfo, with the compiler
         self._matchers: dict[str, Any] = {}
+        self._texts: dict[str, Any] = {}  # serialized grammar -> compiled, least recently used first
         self._bitmask: torch.Tensor | None = None  # host buffer, grown to the largest batch seen
         self._eos_only = _row_allowing(self.eos_token_ids, vocab_size)
 
@@ -143,9 +152,22 @@ class Grammars:
         import xgrammar
 
         if isinstance(compiled, str):
-            self._get_compiler()  # the tokenizer info the text refers to
-            compiled = xgrammar.CompiledGrammar.deserialize_json(compiled, self._info)
+            compiled = self._opened(compiled)
         self._matchers[request_id] = xgrammar.GrammarMatcher(compiled)
+
+    def _opened(self, text: str) -> Any:
+        """The grammar of its serialized text; the n choices of a request send one text n times,
+        and a large one takes a tenth of a second to read, so the last few are kept."""
+        import xgrammar
+
+        hit = self._texts.pop(text, None)
+        if hit is None:
+            self._get_compiler()  # the tokenizer info the text refers to
+            hit = xgrammar.CompiledGrammar.deserialize_json(text, self._info)
+        self._texts[text] = hit
+        while len(self._texts) > OPENED_TEXTS:
+            del self._texts[next(iter(self._texts))]
+        return hit
 
     def close(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -199,29 +221,6 @@ class Grammars:
                                                                  stop_token_ids=self.eos_token_ids)
             self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=1)
         return self._compiler
-
-
-class FormatCompiler:
-    """Compiles response formats for an engine core on the client's side, off the event loop:
-    `serialize` for a core in another process (which opens the text with the same tokenizer)."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int], serialize: bool = False):
-        self.grammars = Grammars(tokenizer, vocab_size, eos_token_ids)
-        self.serialize = serialize
-        self._lock = threading.Lock()  # one compiler, one compile at a time
-
-    def compile(self, response_format: dict) -> Any:
-        fmt = parse_response_format(response_format)
-        if fmt is None:  # plain text: nothing to constrain
-            return None
-        with self._lock:
-            compiled = self.grammars.compile(fmt)
-        return compiled.serialize_json() if self.serialize else compiled
-
-    async def __call__(self, response_format: dict) -> Any:
-        import asyncio
-
-        return await asyncio.get_running_loop().run_in_executor(None, self.compile, response_format)
 
 
 def _row_allowing(tokens: list[int], vocab_size: int) -> torch.Tensor:

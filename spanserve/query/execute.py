@@ -68,9 +68,10 @@ class Outcome:
 
 class Executor:
     def __init__(self, runner: Runner, tokenizer: Any, *, policy: str | None = None, anchor: str = "none",
-                 seed: int = 0, max_tokens: int = 256, temperature: float = 0.0, fan_in: int | None = None):
+                 seed: int = 0, max_tokens: int = 256, temperature: float = 0.0, fan_in: int | None = None,
+                 max_prompt_chars: int | None = None):
         self.runner = runner
-        self.planner = Planner(tokenizer, anchor)
+        self.planner = Planner(tokenizer, anchor, max_prompt_chars)
         self.policy = policy
         self.seed = seed
         self.max_tokens = max_tokens
@@ -78,7 +79,7 @@ class Executor:
         self.fan_in = fan_in
 
     def prepare(self, query: Node) -> Node:
-        return _expand(optimize(query, fan_in=self.fan_in))
+        return _expand(optimize(query, fan_in=self.fan_in))  # optimize bounds the expanded size
 
     def execute(self, query: Node) -> Outcome:
         tree = self.prepare(query)

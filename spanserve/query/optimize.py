@@ -46,9 +46,10 @@ from typing import TypeGuard
 from .ir import (Chat, Cross, Fragment, Generate, Node, Par, Plus, Repeat, Retrieve, Seq, children,
                  generates, leaf_messages, with_children)
 from .retrieve import DEFAULT_K, BM25Retriever, Retriever
+from .size import measure
 
 MAX_PASSES = 64
-MAX_NODES = 50_000  # after expansion; each level of nested distributed generations doubles it
+MAX_NODES = 50_000  # with repeats expanded; each level of nested distributed generations doubles it
 
 
 class QueryTooLarge(ValueError):
@@ -252,14 +253,12 @@ def _pass(node: Node, rules: Sequence[Rule], options: Options,
 
 def _check_size(node: Node, limit: int = MAX_NODES) -> None:
     # Rewrites share subtrees, so memory stays small even when the expanded tree is huge; walking
-    # it (to plan, run or serialize) would not. Count with a cap so this check itself stays cheap.
-    stack, n = [node], 0
-    while stack:
-        n += 1
-        if n > limit:
-            raise QueryTooLarge(f"the optimized query has more than {limit} nodes: every level of nested "
-                                "generations inside a plus copies the inner inputs; flatten the nesting")
-        stack.extend(children(stack.pop()))
+    # it (to plan, run or serialize) would not, and neither would expanding its repeats.
+    nodes = measure(node).nodes
+    if nodes > limit:
+        raise QueryTooLarge(f"the optimized query has {nodes} nodes with its repeats expanded, more than {limit}: "
+                            "every repeat multiplies its query, and every level of nested generations inside a "
+                            "plus copies the inner inputs; lower the repeat counts or flatten the nesting")
 
 
 def rewrite(node: Node, rules: Sequence[Rule], options: Options, max_passes: int = MAX_PASSES) -> Node:

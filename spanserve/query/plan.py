@@ -27,12 +27,19 @@ class Done(Node):
 _PROBE = {"role": "system", "content": "-"}
 
 
+class PromptTooLong(ValueError):
+    """A generation's input has more text than any prompt fitting the model's context."""
+
+
 class Planner:
-    def __init__(self, tokenizer: Any, anchor: str = "none"):
+    def __init__(self, tokenizer: Any, anchor: str = "none", max_chars: int | None = None):
+        """max_chars: the most message text one layout may hold, checked before any is
+        tokenized (None: unbounded; the engine still refuses a prompt longer than its context)."""
         if anchor not in ("none", "prefix"):
             raise ValueError(f"anchor must be 'none' or 'prefix', got {anchor!r}")
         self.tok = tokenizer
         self.anchor = anchor
+        self.max_chars = max_chars
         self.templated = bool(getattr(tokenizer, "chat_template", None))
 
     def _render(self, msgs: list[dict[str, str]], gen: bool = False) -> str:
@@ -71,6 +78,10 @@ class Planner:
         items = _items(input, "cross")
         if not items:
             raise ValueError("a generation's input has no messages")
+        chars = sum(len(p.text) for _, parts in items for p in parts if isinstance(p, Message))
+        if self.max_chars is not None and chars > self.max_chars:
+            raise PromptTooLong(f"a generation's input has {chars} characters of messages, more than the "
+                                f"{self.max_chars} that any prompt fitting the model's context can have")
         segs: list[Segment] = []
         first = items[0][1][0]
         if isinstance(first, Message) and (pre := self.preamble(first)):

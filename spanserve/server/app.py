@@ -19,7 +19,6 @@ from starlette.responses import Response
 from spanserve.engine.client import EngineClient, EngineDeadError, EngineTimeout
 from spanserve.engine.engine import LLMEngine
 from spanserve.engine.inproc import inproc_client
-from spanserve.engine.structured import FormatCompiler
 from spanserve.server.auth import METRICS_PATH, OPEN_PATHS, BearerAuth, tenant_of
 from spanserve.server.chat import create_chat_completion
 from spanserve.server.compat import screen, screen_unknown
@@ -27,6 +26,7 @@ from spanserve.server.completions import create_completion
 from spanserve.server.context import ServerConfig, ServingContext
 from spanserve.server.errors import APIError, install_handlers
 from spanserve.server.keys import KeyRing
+from spanserve.server.limits import read_body as read_limited
 from spanserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from spanserve.server.openapi import install_openapi
 from spanserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, PinRequest,
@@ -38,10 +38,9 @@ from spanserve.server.tokenize import (DetokenizeRequest, DetokenizeResponse, To
 
 log = logging.getLogger(__name__)
 
-# Bodies beyond this are refused before parsing; a prompt filling any supported context fits.
-MAX_BODY_BYTES = 64 << 20
 # The core answers a stats call between steps; this long without one, /metrics answers 503.
 STATS_TIMEOUT_S = 10.0
+
 
 
 class _SegmentKey(Convertor[str]):
@@ -67,11 +66,10 @@ def create_app(engine: LLMEngine | EngineClient, config: ServerConfig) -> FastAP
     owned = engine if isinstance(engine, LLMEngine) else None
     client = inproc_client(owned, config.max_pending) if owned is not None else engine
     client.observer = metrics
-    if client.compile_grammar is None and client.tokenizer is not None:
-        info = client.info
-        serialize = owned is None  # a core in another process opens the grammar from its text
-        client.compile_grammar = FormatCompiler(client.tokenizer, info.vocab_size, set(info.eos_token_ids), serialize)
     ctx = ServingContext(client, config, metrics)
+    if client.compile_grammar is None:
+        # Compiled in worker processes; the core, on a thread or in a process, opens the JSON text.
+        client.compile_grammar = ctx.grammars
     app = FastAPI(title="spanserve", lifespan=_lifespan(owned, ctx))
     app.state.ctx = ctx
     install_handlers(app)
@@ -106,13 +104,8 @@ def _lifespan(engine: LLMEngine | None, ctx: ServingContext) -> Callable[[FastAP
 
 
 async def read_body(http: Request) -> bytes:
-    declared = http.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
-    body = await http.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large")
-    return body
+    """The body, refused with 413 as soon as it passes the server's limit (server/limits.py)."""
+    return await read_limited(http, http.app.state.ctx.limits.max_body_bytes)
 
 
 def _add_status_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -151,12 +144,14 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/completions")
     async def completions(http: Request) -> Response:
         req = CompletionRequest.model_validate_json(await read_body(http))
+        ctx.check_sampling(req, req.prompt_count())  # before anything walks a long field
         screen(req, config.strict_params, "/v1/completions")
         return await create_completion(ctx, req, http)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request) -> Response:
         req = ChatCompletionRequest.model_validate_json(await read_body(http))
+        ctx.check_sampling(req, 1)
         screen(req, config.strict_params, "/v1/chat/completions")
         return await create_chat_completion(ctx, req, http)
 

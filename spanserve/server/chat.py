@@ -10,7 +10,7 @@ from spanserve.engine.outputs import RequestOutput
 from spanserve.engine.sampling import TokenLogprobs
 from spanserve.server.auth import tenant_of
 from spanserve.server.context import Prompt, ServingContext, Submission
-from spanserve.server.errors import APIError, stream_error_payload
+from spanserve.server.errors import stream_error_payload
 from spanserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                        ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                        ChatTokenLogprob, DeltaMessage, TopLogprob, new_id, now_s)

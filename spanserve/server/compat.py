@@ -42,10 +42,9 @@ def unknown_fields(obj: Any, prefix: str = "") -> list[str]:
         out += [prefix + k for k in (obj.model_extra or {})]
         for name in type(obj).model_fields:
             out += unknown_fields(getattr(obj, name), f"{prefix}{name}.")
-    elif isinstance(obj, list):
-        for i, item in enumerate(obj):
-            if isinstance(item, BaseModel):
-                out += unknown_fields(item, f"{prefix}{i}.")
+    elif isinstance(obj, list) and obj and isinstance(obj[0], BaseModel):  # lists are of one type: a long
+        for i, item in enumerate(obj):                                     # list of ids is not walked
+            out += unknown_fields(item, f"{prefix}{i}.")
     return out
 
 

@@ -89,6 +89,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, http: H
             batch = req.prompts()
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from e
+        for p in batch:  # all of them before any is tokenized or copied
+            ctx.check_size(p, "prompt")
         prompts = [await ctx.encode(p) for p in batch]
         if req.echo:
             echo = await _echo_of(ctx, batch, prompts)

@@ -1,17 +1,15 @@
 """Everything a route needs to turn an API request into engine requests and collect them.
 
-Tokenization runs on a private copy of the tokenizer in one worker thread: the engine client
-decodes with its own copy on the event loop, and a Rust-backed tokenizer shared between threads
-can fail with "Already borrowed"; the worker keeps long prompts off the event loop too.
+Text is tokenized on a pool of threads with tokenizer copies of their own (server/tokenizers.py),
+after its length is checked against the most characters a prompt fitting the context can have
+(server/limits.py): nothing a client sends is tokenized before it is bounded.
 """
 from __future__ import annotations
 
 import asyncio
-import copy
 import functools
 import logging
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +32,9 @@ from spanserve.engine.sampling import TokenLogprobs
 from spanserve.reuse.policies import resolve_policy
 from spanserve.server.auth import namespace_for
 from spanserve.server.errors import APIError, bad_request
+from spanserve.server.grammars import GrammarPool
+from spanserve.server.limits import (RequestLimits, check_chars, check_choices, check_logit_bias, check_schema,
+                                     check_stops, chars_per_token, message_chars)
 from spanserve.server.metrics import ServerMetrics
 from spanserve.server.protocol import (
     SEED_MAX,
@@ -47,6 +48,7 @@ from spanserve.server.protocol import (
     Usage,
 )
 from spanserve.server.streaming import fan_in
+from spanserve.server.tokenizers import TokenizerPool, encode, warmed_copy
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class ServerConfig:
     metrics_open: bool = False
     # /health answers 503 once requests have waited this long on an engine that finished no step
     step_timeout_s: float = 60.0
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 @dataclass
@@ -116,45 +119,61 @@ class ServingContext:
     def __init__(self, engine: EngineClient, config: ServerConfig, metrics: ServerMetrics):
         self.engine = engine
         self.config = config
+        self.limits = config.limits.check()
         self.metrics = metrics
         self.max_model_len: int = engine.info.max_model_len
-        source_tok = engine.tokenizer
-        self.tokenizer: Any = copy.deepcopy(source_tok) if source_tok is not None else None
-        if self.tokenizer is not None:
-            # The first encode may reset truncation/padding state (a mutation); do it now, while
-            # no other thread can be using this copy.
-            self.tokenizer.encode("warm up", add_special_tokens=False)
-        self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spanserve-tokenizer")
-        # Span queries render and encode on their own thread for their whole run, so each borrows
-        # a tokenizer copy of its own (copied from a template no thread ever encodes with).
-        self._tok_template: Any = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
-        self._tok_spares: list[Any] = []
-        self._tok_lock = threading.Lock()
+        tok = engine.tokenizer
+        # Read on the event loop only (token texts, the chat template): workers encode with copies.
+        self.tokenizer: Any = warmed_copy(tok) if tok is not None else None
+        self.tokenizers = TokenizerPool(tok, self.limits.tokenizer_workers) if tok is not None else None
+        self.max_prompt_chars = self.limits.max_prompt_chars or self.max_model_len * (
+            chars_per_token(tok) if tok is not None else 1)
+        info = engine.info
+        self.grammars = GrammarPool(tok, info.vocab_size, list(info.eos_token_ids), self.limits) \
+            if tok is not None else None
         self.query_pool = ThreadPoolExecutor(max_workers=MAX_QUERY_WORKERS, thread_name_prefix="spanserve-query")
 
     def close(self) -> None:
-        self._tok_pool.shutdown(wait=False, cancel_futures=True)
+        if self.tokenizers is not None:
+            self.tokenizers.close()
+        if self.grammars is not None:
+            self.grammars.close()
         self.query_pool.shutdown(wait=False, cancel_futures=True)
 
     @contextmanager
     def borrowed_tokenizer(self) -> Iterator[Any]:
         """A tokenizer copy for the calling thread alone (blocking: call off the event loop)."""
-        if self._tok_template is None:
+        if self.tokenizers is None:
             raise bad_request("this model has no tokenizer; span queries need one", code="no_tokenizer")
-        with self._tok_lock:
-            tok = self._tok_spares.pop() if self._tok_spares else None
-            if tok is None:
-                tok = copy.deepcopy(self._tok_template)
-                tok.encode("warm up", add_special_tokens=False)
-        try:
+        with self.tokenizers.borrow() as tok:
             yield tok
-        finally:
-            with self._tok_lock:
-                self._tok_spares.append(tok)
 
-    async def on_tokenizer(self, fn: Any, *args: Any) -> Any:
-        """Run fn(*args) on the tokenizer worker, where self.tokenizer may be used."""
-        return await self._on_tokenizer(fn, *args)
+    async def on_tokenizer(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(tokenizer, *args) on a tokenizer worker, with that worker's own copy."""
+        if self.tokenizers is None:
+            raise bad_request("this model has no tokenizer; send the prompt as token ids", param="prompt")
+        return await self.tokenizers.run(fn, *args)
+
+    def check_chars(self, chars: int, param: str, what: str = "the prompt") -> None:
+        check_chars(chars, self.max_prompt_chars, param, what)
+
+    def check_size(self, prompt: str | list[int], param: str) -> None:
+        """Text longer in characters, or token ids more, than the context can take."""
+        if isinstance(prompt, str):
+            self.check_chars(len(prompt), param)
+        elif len(prompt) >= self.max_model_len:
+            self._budget(len(prompt), None)
+
+    def check_sampling(self, req: SamplingRequest, prompts: int) -> None:
+        """The request's own bounds (stop strings, logit_bias, choices, the response format's size),
+        before any prompt is tokenized or any SamplingParams reads the format."""
+        check_stops(_stops(req), req.stop_token_ids, self.limits, self.engine.info.vocab_size)
+        check_choices(req.n, prompts, self.limits)
+        check_logit_bias(req.logit_bias, self.limits)
+        try:
+            check_schema(req.response_format, self.limits)
+        except ValueError as e:
+            raise bad_request(str(e), param="response_format", code=getattr(e, "code", None)) from e
 
     # ---- model and prompts ----------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -162,34 +181,32 @@ class ServingContext:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                                 f"{self.config.served_model_name!r}", param="model", code="model_not_found")
 
-    async def _on_tokenizer(self, fn: Any, *args: Any) -> Any:
-        if self.tokenizer is None:
-            raise bad_request("this model has no tokenizer; send the prompt as token ids", param="prompt")
-        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn, *args)
-
-    async def encode(self, prompt: str | list[int]) -> list[int]:
+    async def encode(self, prompt: str | list[int], param: str = "prompt", add_special_tokens: bool = False) -> list[int]:
         if not isinstance(prompt, str):
             return list(prompt)
-        return list(await self._on_tokenizer(functools.partial(self.tokenizer.encode, add_special_tokens=False),
-                                             prompt))
+        self.check_chars(len(prompt), param)
+        return list(await self.on_tokenizer(encode, prompt, add_special_tokens))
 
     async def decode(self, ids: list[int]) -> str:
-        return str(await self._on_tokenizer(self.tokenizer.decode, ids))
+        return str(await self.on_tokenizer(lambda tok: tok.decode(ids)))
 
     async def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", code="no_chat_template")
+        self.check_chars(message_chars(messages), "messages", "the conversation")
+        dicts = [m.as_template_dict() for m in messages]
 
-        def render() -> list[int]:
+        def render(tok: Any) -> list[int]:
             try:
-                text = tok.apply_chat_template([m.as_template_dict() for m in messages], tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
+                text = tok.apply_chat_template(dicts, tokenize=False, add_generation_prompt=add_generation_prompt)
             except Exception as e:  # templates raise on conversations they reject (role order etc.)
                 raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from e
-            return list(tok.encode(text, add_special_tokens=False))
+            # Tool calls and names reach the template too: bound what it made, not only the contents.
+            self.check_chars(len(text), "messages", "the rendered conversation")
+            return encode(tok, text)
 
-        return list(await self._on_tokenizer(render))
+        return list(await self.on_tokenizer(render))
 
     def prompt_logprobs(self, entries: Sequence[TokenLogprobs | None] | None, n_top: int) -> PromptLogprobs | None:
         """vLLM's prompt_logprobs: per prompt token, the token and its n_top best alternatives by id."""
@@ -266,6 +283,7 @@ class ServingContext:
         if prompt_logprobs is None:
             prompt_logprobs = req.prompt_logprobs
         check_policy(req.policy)
+        self.check_sampling(req, len(prompts))
         specs: list[RequestSpec] = []
         lens = [prompt_len(p) for p in prompts]
         for p, ids in enumerate(prompts):
@@ -276,7 +294,7 @@ class ServingContext:
         try:
             streams = await self.engine.add_requests(specs)
         except ValueError as e:  # a schema the grammar compiler refuses names response_format
-            raise bad_request(str(e), param=getattr(e, "param", "prompt")) from e
+            raise bad_request(str(e), param=getattr(e, "param", "prompt"), code=getattr(e, "code", None)) from e
         except EngineOverloaded as e:
             raise APIError(429, str(e), code="server_overloaded") from e
         except EngineDeadError as e:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from spanserve.engine.config import EngineConfig
 from spanserve.server.context import ServerConfig
 from spanserve.server.keys import KeyRing
+from spanserve.server.limits import RequestLimits
 from spanserve.worker.storage import bytes_per_block
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ class ServeOptions:
     api_server_count: int = 1  # API server processes sharing the port and the one engine core
     restart_engine: bool = False  # a core that dies is replaced (default: the server exits non-zero)
     step_timeout_s: float = 60.0  # /health is 503 once requests wait this long on a core that finishes no step
+    limits: RequestLimits = field(default_factory=RequestLimits)  # bounds on one request (server/limits.py)
 
     def check(self) -> None:
         if self.api_server_count < 1:
@@ -72,6 +74,7 @@ class ServeOptions:
             raise ValueError("--restart-engine needs one API server and the engine core in its own process")
         if not self.step_timeout_s > 0:
             raise ValueError(f"--step-timeout must be > 0 seconds, got {self.step_timeout_s}")
+        self.limits.check()
 
 
 def _log_engine(engine: "LLMEngine", seconds: float) -> None:
@@ -149,7 +152,7 @@ def server_config(opts: ServeOptions, engine_config: EngineConfig) -> ServerConf
                         max_pending=engine_config.scheduler.max_num_seqs + opts.max_queued_requests,
                         strict_params=opts.strict_params, api_key=resolve_api_key(opts.api_key, os.environ),
                         api_keys_file=keys_file, auth_all_routes=opts.auth_all_routes,
-                        metrics_open=opts.metrics_open, step_timeout_s=opts.step_timeout_s)
+                        metrics_open=opts.metrics_open, step_timeout_s=opts.step_timeout_s, limits=opts.limits)
 
 
 def run_api(opts: ServeOptions, engine: "LLMEngine | EngineClient", config: ServerConfig,
@@ -310,7 +313,9 @@ def _shared_socket(host: str, port: int) -> socket.socket:
 
 def _spawn_api_server(opts: ServeOptions, config: ServerConfig, address: str, info: "EngineInfo", index: int,
                       core_pid: int, has_tokenizer: bool) -> Any:
-    proc = mp.get_context("spawn").Process(target=api_server_main, name=f"spanserve-api-{index}", daemon=True,
+    # Not a daemon: it starts grammar compile workers, and daemonic processes may have no children
+    # (`serve` stops it when it returns; it exits by itself when the core is gone).
+    proc = mp.get_context("spawn").Process(target=api_server_main, name=f"spanserve-api-{index}",
                                            args=(opts, config, address, info, index, core_pid, has_tokenizer))
     proc.start()
     return proc

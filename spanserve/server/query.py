@@ -25,19 +25,18 @@ from spanserve.engine.client import (EngineClient, EngineDeadError, EngineOverlo
 from spanserve.engine.outputs import RequestOutput
 from spanserve.query import Node, QueryError, parse, to_obj
 from spanserve.query.execute import Executor, Job, Outcome
-from spanserve.query.ir import Chat, Generate, Repeat, children
-from spanserve.query.optimize import OptimizeError
+from spanserve.query.optimize import OptimizeError, QueryTooLarge
+from spanserve.query.plan import PromptTooLong
+from spanserve.query.size import measure
 from spanserve.server.auth import namespace_for, tenant_of
 from spanserve.server.context import ServingContext, check_policy, usage_of, wait_disconnect
 from spanserve.server.errors import APIError, bad_request
+from spanserve.server.limits import RequestLimits, check_chars
 from spanserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                        DeltaMessage, QueryCompletionResponse, QueryOutput, SpanQueryResult, new_id,
                                        now_s)
 from spanserve.server.streaming import DONE, SSEResponse, fan_in, sse
 
-# Generations one query may ask for (Repeat counts multiplied out): a wire-valid query can
-# otherwise ask for 100,000 samples, and every one of them is planned before any runs.
-MAX_QUERY_GENERATIONS = 1024
 DEFAULT_MAX_TOKENS = 256  # per generation that names no max_tokens
 
 
@@ -94,27 +93,25 @@ class EngineRunner:
         return done
 
 
-def count_generations(node: Node) -> int:
-    """Upper bound on the generations executing `node` runs (Repeat multiplied out)."""
-    if isinstance(node, Repeat):
-        return node.n * count_generations(node.query)
-    own = 1 if isinstance(node, (Generate, Chat)) else 0
-    return own + sum(count_generations(c) for c in children(node))
-
-
-def parse_query(body: bytes) -> Node:
+def parse_query(body: bytes, limits: RequestLimits, max_prompt_chars: int) -> Node:
+    """The query, refused before anything runs or expands if it is malformed or too large."""
     try:
         query = parse(body)
     except QueryError as e:
         raise bad_request(f"invalid span query at {e}", param=e.path, code="invalid_query") from e
     except ValueError as e:  # bytes that are not UTF-8/16/32, which json.loads reports outside JSONDecodeError
         raise bad_request(f"invalid span query: {e}", param="$", code="invalid_query") from e
-    total = count_generations(query)
-    if total == 0:
+    size = measure(query)
+    if size.generations == 0:
         raise bad_request("the query has no generation (g or chat) to run", param="$", code="invalid_query")
-    if total > MAX_QUERY_GENERATIONS:
-        raise bad_request(f"the query asks for {total} generations; at most {MAX_QUERY_GENERATIONS} per query",
-                          param="$", code="query_too_large")
+    if size.generations > limits.max_query_generations:
+        raise bad_request(f"the query asks for {size.generations} generations with its repeats expanded; at most "
+                          f"{limits.max_query_generations} per query", param="$", code="query_too_large")
+    if size.nodes > limits.max_query_nodes:
+        raise bad_request(f"the query has {size.nodes} nodes with its repeats expanded; at most "
+                          f"{limits.max_query_nodes} per query: lower the repeat counts", param="$",
+                          code="query_too_large")
+    check_chars(size.input_chars, max_prompt_chars, "$", "a generation's input")
     return query
 
 
@@ -143,7 +140,7 @@ async def execute_query(ctx: ServingContext, body: bytes, http: HTTPRequest) -> 
     policy = http.query_params.get("policy")
     check_policy(policy)
     seed = _seed(http.query_params.get("seed"))
-    query = parse_query(body)
+    query = parse_query(body, ctx.limits, ctx.max_prompt_chars)
     qid = new_id("chatcmpl")
     tenant = tenant_of(http)
     namespace = namespace_for(tenant, http.query_params.get("cache_salt"))
@@ -169,7 +166,8 @@ async def _run(ctx: ServingContext, runner: EngineRunner, query: Node, policy: s
                http: HTTPRequest) -> Outcome:
     def execute() -> Outcome:
         with ctx.borrowed_tokenizer() as tok:
-            return Executor(runner, tok, policy=policy, seed=seed, max_tokens=DEFAULT_MAX_TOKENS).execute(query)
+            return Executor(runner, tok, policy=policy, seed=seed, max_tokens=DEFAULT_MAX_TOKENS,
+                            max_prompt_chars=ctx.max_prompt_chars).execute(query)
 
     work = asyncio.get_running_loop().run_in_executor(ctx.query_pool, execute)
     gone = asyncio.ensure_future(wait_disconnect(http))
@@ -185,6 +183,10 @@ async def _run(ctx: ServingContext, runner: EngineRunner, query: Node, policy: s
         raise APIError(499, "client disconnected", code="client_disconnected")
     try:
         return work.result()
+    except QueryTooLarge as e:
+        raise bad_request(str(e), param="$", code="query_too_large") from e
+    except PromptTooLong as e:
+        raise bad_request(str(e), param="$", code="context_length_exceeded") from e
     except (QueryError, OptimizeError, ValueError, TypeError) as e:
         # Everything the planner, optimizer, sampler or engine refuses comes from the query.
         raise bad_request(f"the query cannot be executed: {e}", param="$", code="invalid_query") from e

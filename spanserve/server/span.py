@@ -13,12 +13,13 @@ from typing import Any
 from spanserve.engine.client import EngineDeadError, EngineOverloaded
 from spanserve.engine.layout import Segment
 from spanserve.query.ir import Assistant, Cross, Message, Node, Plus, System, User
-from spanserve.query.plan import Planner
+from spanserve.query.plan import Planner, PromptTooLong
 from spanserve.server.auth import namespace_for
 from spanserve.server.context import ServingContext
 from spanserve.server.errors import APIError, bad_request
-from spanserve.server.protocol import (ChatMessage, PinnedSegment, PinRequest, PinResponse, SpanSegment,
-                                       UnpinResponse)
+from spanserve.server.limits import message_chars
+from spanserve.server.protocol import (ChatMessage, PinnedSegment, PinRequest, PinResponse, PinSegment,
+                                       SpanSegment, UnpinResponse)
 
 _ROLES: dict[str, type[Message]] = {"system": System, "user": User, "assistant": Assistant}
 
@@ -27,10 +28,15 @@ def is_span_chat(messages: Sequence[ChatMessage]) -> bool:
     return any(m.kind == "plus" for m in messages)
 
 
+def _check_text(ctx: ServingContext, segments: Sequence[SpanSegment | PinSegment]) -> None:
+    ctx.check_chars(sum(len(s.text) for s in segments if s.text is not None), "segments", "the segments' text")
+
+
 async def completion_layout(ctx: ServingContext, segments: Sequence[SpanSegment]) -> list[Segment]:
+    _check_text(ctx, segments)
     out: list[Segment] = []
     for i, s in enumerate(segments):
-        ids = await ctx.encode(s.text if s.text is not None else list(s.token_ids or []))
+        ids = await ctx.encode(s.text if s.text is not None else list(s.token_ids or []), f"segments.{i}")
         if not ids:
             raise bad_request(f"segment {i} is empty; drop it or give it text", param=f"segments.{i}")
         try:
@@ -75,11 +81,14 @@ async def chat_layout(ctx: ServingContext, messages: Sequence[ChatMessage],
     tok = ctx.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", code="no_chat_template")
+    ctx.check_chars(message_chars(messages), "messages", "the conversation")
     query = chat_query(messages)
 
-    def plan() -> list[Segment]:
+    def plan(tok: Any) -> list[Segment]:
         try:
-            segs = Planner(tok).layout(query)
+            segs = Planner(tok, max_chars=ctx.max_prompt_chars).layout(query)
+        except PromptTooLong as e:
+            raise bad_request(str(e), param="messages", code="context_length_exceeded") from e
         except Exception as e:  # templates raise on conversations they reject (role order etc.)
             raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from e
         # The planner always ends with the generation prompt; without it the conversation's
@@ -97,8 +106,9 @@ async def pin_segments(ctx: ServingContext, req: PinRequest, tenant: str | None 
     namespace = namespace_for(tenant, req.cache_salt)
     segs: list[Segment] = []
     keys: list[str] = []
+    _check_text(ctx, req.segments)
     for i, s in enumerate(req.segments):
-        ids = await ctx.encode(s.text if s.text is not None else list(s.token_ids or []))
+        ids = await ctx.encode(s.text if s.text is not None else list(s.token_ids or []), f"segments.{i}")
         if not ids:
             raise bad_request(f"segment {i} is empty; drop it or give it text", param=f"segments.{i}")
         # Named explicitly, as the engine would name it (its text), so the answer can say which
@@ -145,10 +155,9 @@ def _pin_refused(e: ValueError) -> APIError:
 
 
 async def _decoded(ctx: ServingContext, ids: list[int]) -> str:
-    tok: Any = ctx.tokenizer
-    if tok is None:
+    if ctx.tokenizer is None:
         raise bad_request("this model has no tokenizer: give token-id segments a key", param="segments")
-    return str(await ctx.on_tokenizer(lambda: tok.decode(ids, skip_special_tokens=True)))
+    return str(await ctx.on_tokenizer(lambda tok: tok.decode(ids, skip_special_tokens=True)))
 
 
 async def unpin_segment(ctx: ServingContext, key: str, cache_salt: str | None,

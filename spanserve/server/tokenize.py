@@ -7,7 +7,6 @@ ones the completion routes would feed the model: no special tokens are added to 
 """
 from __future__ import annotations
 
-import functools
 from typing import Annotated
 
 from pydantic import BaseModel, Field, model_validator
@@ -53,11 +52,10 @@ async def tokenize(ctx: ServingContext, req: TokenizeRequest) -> TokenizeRespons
     ctx.check_model(req.model)
     if req.messages is not None:
         ids = await ctx.render_chat(req.messages, req.add_generation_prompt)
-    elif ctx.tokenizer is None:
+    elif ctx.tokenizer is None or req.prompt is None:
         raise bad_request("this model has no tokenizer", param="prompt", code="no_tokenizer")
     else:
-        encode = functools.partial(ctx.tokenizer.encode, add_special_tokens=req.add_special_tokens)
-        ids = list(await ctx.on_tokenizer(encode, req.prompt))
+        ids = await ctx.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
     strs = [ctx.token_text(t) for t in ids] if req.return_token_strs else None
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=ctx.max_model_len, token_strs=strs)
 
