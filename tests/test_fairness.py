@@ -256,3 +256,31 @@ def test_fair_steps_compute_what_in_order_steps_compute(model_dir: str) -> None:
             engine.step()
         outs.append([r.output_token_ids for r in reqs])
     assert outs[0] == outs[1]
+
+
+def test_a_full_batch_admits_in_groups() -> None:
+    """At max_num_seqs 32 newcomers join a running batch two at a time (ADMIT_GROUPS), or after
+    ADMIT_WAIT_STEPS passes; an idle engine, or one with room for a group, admits at once."""
+    from spanserve.engine.scheduler import ADMIT_WAIT_STEPS
+
+    sched = Scheduler(FakeManager(lambda rid: "ok"), 32, 1 << 20)  # type: ignore[arg-type]
+    assert sched.admit_group == 2
+    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(), namespace=f"r{i}") for i in range(40)]
+    for r in reqs[:33]:
+        sched.add(r)
+    sched.schedule()
+    assert len(sched.running) == 32 and len(sched.waiting) == 1  # idle: admitted at once, up to the batch
+    sched.finish(sched.running[0])
+    for _ in range(ADMIT_WAIT_STEPS):  # one row free: held back for a group
+        sched.schedule()
+        assert len(sched.running) == 31
+    sched.schedule()  # waited long enough
+    assert len(sched.running) == 32 and not sched.waiting
+    for r in reqs[33:36]:
+        sched.add(r)
+    sched.finish(sched.running[0])
+    sched.schedule()
+    assert len(sched.running) == 31
+    sched.finish(sched.running[0])
+    sched.schedule()  # room for a group of two
+    assert len(sched.running) == 32 and [r.request_id for r in sched.running[-2:]] == ["r33", "r34"]

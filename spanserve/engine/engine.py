@@ -177,7 +177,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         pending, self._pending = self._pending, None
         sched = self.scheduler
-        admissible = bool(sched.waiting) and len(sched.running) < sched.max_num_seqs
+        admissible = bool(sched.waiting) and sched.admits_now()
         if pending is not None and not next_is_chained(sched.running, admissible, self.pool.num_free):
             return self._settle(pending)
         schedule = sched.schedule()

@@ -16,6 +16,12 @@ from spanserve.engine.fairness import WaitQueue, fair_shares
 from spanserve.engine.request import Request, Status
 
 LOAD_WAIT_S = 0.02  # longest sleep on tier loads before looking at new requests and aborts again
+# A full batch admits newcomers in groups of max_num_seqs // ADMIT_GROUPS rows (a step that
+# prefills is an eager step, several times a decode step's cost, and ends a chain of decode steps
+# on the device: one such step for a group, not one per finished request), or once the first of
+# them has waited ADMIT_WAIT_STEPS steps.
+ADMIT_GROUPS = 16
+ADMIT_WAIT_STEPS = 16
 
 
 @dataclass
@@ -42,6 +48,8 @@ class Scheduler:
         self._running_tenants: Counter[str] = Counter()  # running requests per tenant
         self.loading: dict[str, LoadJob] = {}  # waiting requests whose tier loads are in flight, by id
         self.blocked: Request | None = None  # the waiting request the last pass could not admit
+        self.admit_group = max(1, max_num_seqs // ADMIT_GROUPS)
+        self._held = 0  # passes in a row that held back admissions for a group
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -49,12 +57,23 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def admits_now(self) -> bool:
+        """Whether the next pass may admit waiting requests: with room for a group of them, with
+        nothing running, or after holding them back ADMIT_WAIT_STEPS passes."""
+        room = self.max_num_seqs - len(self.running)
+        return room > 0 and (room >= self.admit_group or not self.running or self._held >= ADMIT_WAIT_STEPS)
+
     def schedule(self) -> Schedule:
         out = Schedule()
         newcomers = self._newcomers()
         fair = len(self._running_tenants) > 1 or bool(newcomers)
         budget = self._run_fair(out, newcomers) if fair else self._run_in_order(out)
         self.blocked = None
+        room = self.max_num_seqs - len(self.running)
+        if self.waiting and 0 < room and not self.admits_now():
+            self._held += 1  # held back for a group (room < admit_group)
+            return out
+        self._held = 0
         for req in self.waiting.walk():  # those waiting on their loads keep their place; the rest go on
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
