@@ -159,7 +159,7 @@ class Driver:
         self.t0 = time.monotonic()
         self.words = 0  # token ids of random text are below this (set once the model exists)
         self.result: dict[str, Any] = {"dry": args.dry, "config": vars(args).copy()}
-        self.result["config"]["model_dir"] = str(args.model_dir)
+        self.result["config"]["model_dir"] = Path(args.model_dir).name  # no machine paths in results
 
     def left(self) -> float:
         return self.args.budget - (time.monotonic() - self.t0)
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  model ready in {prep['seconds']:.0f} s: {prep['weight_bytes'] / 1e9:.2f} GB of weights per decode step, "
           f"{prep['kv_bytes_per_token'] / 1024:.0f} KiB KV per token; copy bandwidth {prep['copy_gbps']:.0f} GB/s",
           flush=True)
-    d.result["model"] = prep
+    d.result["model"] = {k: v for k, v in prep.items() if k != "path"}
     d.words = prep["vocab_size"] - SPECIAL_BASE  # random text stays below the special ids
     flags = [*(["--kv-cache-memory", a.kv_cache_memory] if a.kv_cache_memory else []),
              *(["--max-num-seqs", str(a.max_num_seqs)] if a.max_num_seqs else []),
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     warm = chat_requests(1, a.chat_warmup, MODEL, FIRST_WORD, d.words, a.chat_in, a.chat_out)
     try:
         server.wait_ready(timeout=300)
-        d.result["server_log"] = server.startup_log()
+        d.result["server_log"] = [ln.replace(str(a.model_dir), a.model_dir.name) for ln in server.startup_log()]
         print("server start-up log:\n  " + "\n  ".join(d.result["server_log"]), flush=True)
         loads = a.loads.split(",")
         sat = d.chat(server) if "chat" in loads else []
