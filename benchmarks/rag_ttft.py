@@ -251,13 +251,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nN=8: warm is {med['stock'][i] / med['warm'][i]:.1f}x faster than stock, "
               f"cold {med['stock'][i] / med['cold'][i]:.2f}x")
 
-    suffix = ("_gpu" if args.gpu else "") + ("_quick" if args.quick else "")
     png = plot(args.ns, med, f"RAG TTFT, {model_name}, L={args.doc_len}", Path(args.out).stem + ".png")
     path = write_json(args.out, {
         "benchmark": "rag_ttft", "args": vars(args), "model": model_name, "backend": backend, "ns": args.ns,
         "ttft_s": {v: {str(n): ttft[v][n] for n in args.ns} for v in VARIANTS},
         "median_ttft_s": med, "last_run_reuse": {v: {str(n): reuse[v][n] for n in args.ns} for v in VARIANTS},
-        "engine_counters": dict(llm.engine.counters), "plot": png,
+        "engine_counters": dict(llm.engine.counters), "plot": "docs/" + Path(png).name,  # no machine paths
     })
     print(f"\nwrote {path} and {png}")
 
