@@ -254,10 +254,11 @@ def test_disconnect_mid_stream_frees_blocks(server: ServerProcess) -> None:
     before = metrics(server)
     aborted = 'spanserve_requests_finished_total{reason="abort"}'
     body = {"model": MODEL, "prompt": PROMPT * 4, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    # Disconnected right after the first token: the engine core (a process of its own, which may
+    # run ahead of a slow /metrics round trip) is far from its 400th, so the request is aborted.
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        assert metric(metrics(server), "spanserve_kv_blocks_used") > 0
     after = wait_idle(server)
     assert metric(after, aborted) == (metric(before, aborted) if aborted in before else 0) + 1
 

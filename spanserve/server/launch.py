@@ -88,7 +88,7 @@ def _log_engine(engine: "LLMEngine", seconds: float) -> None:
 
 
 def _log_info(info: "EngineInfo", pid: int, seconds: float) -> None:
-    log.info("engine core (pid %d) ready in %.1f s: KV pool of %d blocks x %d tokens = %d tokens; max model len %d; "
+    log.info("engine core (pid %d) ready in %.1f s: KV pool: %d blocks x %d tokens = %d tokens; max model len %d; "
              "default policy %s", pid, seconds, info.num_blocks, info.block_size, info.num_blocks * info.block_size,
              info.max_model_len, info.default_policy)
 
