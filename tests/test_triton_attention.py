@@ -192,7 +192,8 @@ def test_fresh_rows_through_dense_attention(seed: int) -> None:
 def test_split_shares_partition_tiles() -> None:
     # Each query block's shares cover its tiles exactly once, in order, and no share is empty of
     # both parts unless the block itself has fewer tiles than shares.
-    from spanserve.attention.triton.launch import F_PART0, F_SPLIT, _split
+    from spanserve.attention.triton.descriptors import F_PART0, F_SPLIT
+    from spanserve.attention.triton.descriptors import split_shares as _split
     rng = np.random.default_rng(0)
     desc = np.zeros((50, 16), dtype=np.int64)
     lo0 = rng.integers(0, 100, 50)
@@ -344,7 +345,8 @@ def test_engine_runs_the_backend_sized_for_its_model() -> None:
 def test_decode_rows_described_over_arrays_as_row_by_row(ways_target: int) -> None:
     """A launch of decode rows (one causal query at the row's last key, deltas in runs) is
     described with arrays; it equals the row-by-row description, splits included."""
-    from spanserve.attention.triton.launch import SplitPolicy, _describe_decodes, _describe_host, _describe_rows, _RowHost
+    from spanserve.attention.triton.descriptors import describe_decodes as _describe_decodes
+    from spanserve.attention.triton.launch import SplitPolicy, _describe_host, _describe_rows, _RowHost
 
     rng = np.random.default_rng(ways_target)
     for _ in range(40):

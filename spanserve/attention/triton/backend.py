@@ -15,10 +15,15 @@ import triton
 from spanserve.attention.backend import AttentionBackend
 from spanserve.attention.plan import AttentionPlan
 from spanserve.attention.triton.dense import attend_dense
-from spanserve.attention.triton.kernels import (attention_kernel, combine_kernel, kv_write_kernel, reposition_kernel,
-                                                rotate_keys_kernel)
 from spanserve.attention.triton.graph_decode import StaticDecode
 from spanserve.attention.triton.graph_step import StaticSteps
+from spanserve.attention.triton.kernels import (
+    attention_kernel,
+    combine_kernel,
+    kv_write_kernel,
+    reposition_kernel,
+    rotate_keys_kernel,
+)
 from spanserve.attention.triton.launch import NUM_FIELDS, Launch, Prerotation, SplitPolicy, StepLayout, build_layout
 from spanserve.rope import Rotary
 

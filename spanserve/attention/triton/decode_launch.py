@@ -18,8 +18,16 @@ from typing import Any
 import numpy as np
 
 from spanserve.attention.decode import DecodeRows
-from spanserve.attention.triton.launch import (F_KEY_BASE, F_LOC0, F_MIN_T, F_PART0, F_TOK0, F_TOK1, NUM_FIELDS,
-                                               shares_in_order)
+from spanserve.attention.triton.descriptors import (
+    F_KEY_BASE,
+    F_LOC0,
+    F_MIN_T,
+    F_PART0,
+    F_TOK0,
+    F_TOK1,
+    NUM_FIELDS,
+    shares_in_order,
+)
 
 
 @dataclass

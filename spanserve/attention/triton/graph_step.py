@@ -34,9 +34,20 @@ import torch
 from spanserve.attention.host_plan import HostPlan
 from spanserve.attention.paths import RowPath, row_path
 from spanserve.attention.triton.graph_buffers import carve, grown, pack_offsets
-from spanserve.attention.triton.launch import (F_PART0, NUM_FIELDS, HostLaunch, Launch, Prerotation, SplitPolicy,
-                                               StepLayout, _describe_host, _RowHost, decode_split, empty_launch,
-                                               host_rows)
+from spanserve.attention.triton.launch import (
+    F_PART0,
+    NUM_FIELDS,
+    HostLaunch,
+    Launch,
+    Prerotation,
+    SplitPolicy,
+    StepLayout,
+    _describe_host,
+    _RowHost,
+    decode_split,
+    empty_launch,
+    host_rows,
+)
 
 _TILE_FIELDS = [F_PART0 + 2, F_PART0 + 3, F_PART0 + 6, F_PART0 + 7]
 

@@ -13,19 +13,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spanserve.attention.triton import launch
+from spanserve.attention.triton import descriptors
 
 # Jitted code may only read globals wrapped as constexpr.
-F_TOK0 = tl.constexpr(launch.F_TOK0)
-F_TOK1 = tl.constexpr(launch.F_TOK1)
-F_KEY_BASE = tl.constexpr(launch.F_KEY_BASE)
-F_PART0 = tl.constexpr(launch.F_PART0)
-F_MIN_ANCHOR = tl.constexpr(launch.F_MIN_ANCHOR)
-F_MAX_SEG = tl.constexpr(launch.F_MAX_SEG)
-F_MIN_T = tl.constexpr(launch.F_MIN_T)
-F_SPLIT = tl.constexpr(launch.F_SPLIT)
-F_LOC0 = tl.constexpr(launch.F_LOC0)
-F_SCRATCH_BASE = tl.constexpr(launch.F_SCRATCH_BASE)
+F_TOK0 = tl.constexpr(descriptors.F_TOK0)
+F_TOK1 = tl.constexpr(descriptors.F_TOK1)
+F_KEY_BASE = tl.constexpr(descriptors.F_KEY_BASE)
+F_PART0 = tl.constexpr(descriptors.F_PART0)
+F_MIN_ANCHOR = tl.constexpr(descriptors.F_MIN_ANCHOR)
+F_MAX_SEG = tl.constexpr(descriptors.F_MAX_SEG)
+F_MIN_T = tl.constexpr(descriptors.F_MIN_T)
+F_SPLIT = tl.constexpr(descriptors.F_SPLIT)
+F_LOC0 = tl.constexpr(descriptors.F_LOC0)
+F_SCRATCH_BASE = tl.constexpr(descriptors.F_SCRATCH_BASE)
 
 
 @triton.jit

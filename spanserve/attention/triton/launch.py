@@ -35,14 +35,12 @@ import torch
 
 from spanserve.attention.paths import RowPath, row_path
 from spanserve.attention.plan import AttentionPlan, HostRow
+from spanserve.attention.triton.descriptors import (F_KEY_BASE, F_LOC0, F_MAX_SEG, F_MIN_ANCHOR, F_MIN_T, F_PART0,
+                                                    F_SCRATCH_BASE, F_TOK0, F_TOK1, NUM_FIELDS, describe_decodes,
+                                                    shares_in_order, simple_decodes)
+from spanserve.attention.triton.descriptors import tile_counts as _tile_counts
 
 # Descriptor fields (int32, one row per program); the kernel reads them by these offsets.
-F_TOK0, F_TOK1, F_KEY_BASE = 0, 1, 2
-F_PART0 = 3  # klo, khi, tile_lo, tile_hi of part 0 (anchor prefix); part 1 follows at +4
-F_MIN_ANCHOR, F_MAX_SEG, F_MIN_T = 11, 12, 13
-F_SPLIT, F_LOC0 = 14, 15  # split launches: which split of its query block, launch-local index of tok0
-F_SCRATCH_BASE = 16  # prerotated launches: the row's first key in the launch's K scratch
-NUM_FIELDS = 32  # a descriptor row is 128 bytes
 
 
 @dataclass
@@ -289,36 +287,6 @@ def empty_launch(dev: torch.device) -> Launch:
     return _EMPTY[dev]
 
 
-def _tile_counts(desc: np.ndarray) -> np.ndarray:
-    """Tiles each descriptor visits, both parts."""
-    return (desc[:, F_PART0 + 3] - desc[:, F_PART0 + 2]) + (desc[:, F_PART0 + 7] - desc[:, F_PART0 + 6])
-
-
-def _split(desc: np.ndarray, ways: int) -> np.ndarray:
-    """Each descriptor becomes `ways` descriptors over consecutive, near-equal shares of its
-    tiles (part 0's tiles first, then part 1's); split s of a block has F_SPLIT = s."""
-    lo0, lo1 = desc[:, F_PART0 + 2], desc[:, F_PART0 + 6]
-    n0 = desc[:, F_PART0 + 3] - lo0
-    n = _tile_counts(desc)
-    out = np.repeat(desc, ways, axis=0)
-    s = np.tile(np.arange(ways), len(desc))
-    n, n0 = np.repeat(n, ways), np.repeat(n0, ways)
-    a, b = n * s // ways, n * (s + 1) // ways
-    lo0, lo1 = np.repeat(lo0, ways), np.repeat(lo1, ways)
-    out[:, F_PART0 + 2], out[:, F_PART0 + 3] = lo0 + np.minimum(a, n0), lo0 + np.minimum(b, n0)
-    out[:, F_PART0 + 6], out[:, F_PART0 + 7] = lo1 + np.maximum(a - n0, 0), lo1 + np.maximum(b - n0, 0)
-    out[:, F_SPLIT] = s
-    return out
-
-
-def shares_in_order(desc: np.ndarray, ways: int) -> np.ndarray:
-    """The launch's programs: each descriptor cut into `ways` shares (when > 1), longest first, so
-    the causal tail does not run alone at the end of the launch."""
-    if ways > 1:
-        desc = _split(desc, ways)
-    return desc[np.argsort(-_tile_counts(desc), kind="stable")]
-
-
 @dataclass
 class HostLaunch:
     """A launch as host arrays (`_describe_host`); `Launch` is the same on the device."""
@@ -334,43 +302,10 @@ class HostLaunch:
     rot_delta: np.ndarray | None
 
 
-def _simple_decodes(rows: list[_RowHost]) -> bool:
-    """Every row is one causal query at its last key: a decode row (all of a mixed step's decode
-    launch, as a rule), which `_describe_decodes` describes over arrays."""
-    return all(r.q_end - r.q_start == 1 and r.q_pos[0] == r.n_keys - 1 and not r.anchor[0] and not r.seg[0]
-               for r in rows)
-
-
-def _describe_decodes(rows: list[_RowHost], bn: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(desc, tile_start, tile_end, tile_delta) of `_simple_decodes` rows, tiles never crossing a
-    span: what the row-by-row loop gives for them (tests/test_triton_attention.py checks it)."""
-    B = len(rows)
-    n_spans = np.fromiter((len(r.span_starts) for r in rows), np.int64, B)
-    s_start = np.concatenate([r.span_starts for r in rows]).astype(np.int64)
-    s_end = np.concatenate([r.span_ends for r in rows]).astype(np.int64)
-    s_delta = np.concatenate([r.span_delta for r in rows]).astype(np.int64)
-    count = -(-(s_end - s_start) // bn)  # tiles per span
-    span = np.repeat(np.arange(len(count)), count)
-    first = np.repeat(np.cumsum(count) - count, count)
-    ts = s_start[span] + (np.arange(int(count.sum())) - first) * bn
-    te = np.minimum(ts + bn, s_end[span])
-    row_tiles = np.add.reduceat(count, np.cumsum(n_spans) - n_spans)
-    t0 = np.cumsum(row_tiles) - row_tiles
-    q = np.fromiter((r.q_start for r in rows), np.int64, B)
-    n = np.fromiter((r.n_keys for r in rows), np.int64, B)
-    d = np.zeros((B, NUM_FIELDS), dtype=np.int64)
-    d[:, F_TOK0], d[:, F_TOK1], d[:, F_LOC0] = q, q + 1, np.arange(B)
-    d[:, F_KEY_BASE] = np.fromiter((r.key_base for r in rows), np.int64, B)
-    d[:, F_PART0 + 2] = d[:, F_PART0 + 3] = d[:, F_PART0 + 6] = t0  # part 0 (no anchor): empty
-    d[:, F_PART0 + 5], d[:, F_PART0 + 7] = n, t0 + row_tiles
-    d[:, F_MIN_T] = n - 1
-    return d, ts, te, s_delta[span]
-
-
 def _describe_host(rows: list[_RowHost], bq: int, bn: int, prerotate: bool,
                    split: SplitPolicy | None = None, fixed_ways: bool = False) -> HostLaunch:
-    if rows and not prerotate and _simple_decodes(rows):
-        desc, ts, te, td = _describe_decodes(rows, bn)
+    if rows and not prerotate and simple_decodes(rows):
+        desc, ts, te, td = describe_decodes(rows, bn)
         ways = 1
         if split is not None:
             ways = split.ways(len(desc), None if fixed_ways else int(_tile_counts(desc).max()))
