@@ -319,8 +319,7 @@ def _describe_rows(rows: list[_RowHost], bq: int, bn: int, prerotate: bool,
     """`_describe_host` row by row: any rows (prefills, anchored or segment rows, prerotation)."""
     out: list[np.ndarray] = []
     tiles: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    rot_keys: list[np.ndarray] = []
-    rot_delta: list[np.ndarray] = []
+    rot_keys, rot_delta = [], []  # prerotated launches: each scratch row's key, and its delta
     n_tiles = n_tok = n_scratch = 0
     for r in rows:
         ts, te, td = _tiles(r, bn, split=not prerotate)
