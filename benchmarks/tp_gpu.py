@@ -37,12 +37,8 @@ from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
 from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.model.config import ModelConfig  # noqa: E402
+from spanserve.model.shapes import llama3_70b  # noqa: E402
 from spanserve.model.weights import RandomWeights  # noqa: E402
-
-
-def llama3_70b_config() -> ModelConfig:
-    return dataclasses.replace(llama3_8b_config(), hidden_size=8192, intermediate_size=28672, num_layers=80,
-                               num_heads=64, num_kv_heads=8, name="random-llama3-70b")
 
 
 class Run:
@@ -243,7 +239,7 @@ def shape_8b(run: Run) -> None:
 def shape_70b(run: Run) -> None:
     """Warm RAG TTFT next to the stock prefill of the same tokens, TP=2 only."""
     args = run.args
-    cfg = tiny_llama_config() if args.dry else llama3_70b_config()
+    cfg = tiny_llama_config() if args.dry else llama3_70b()
     n, L, qlen = args.docs, args.doc_len, 64
     total = n * L + qlen
     blocks = 2 * (total // 16 + n + 8) + 64  # the pinned documents + one whole stock request

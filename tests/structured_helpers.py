@@ -2,6 +2,7 @@
 SmolLM2's real tokenizer (49152 tokens), and a seeded generator of JSON schemas."""
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -63,3 +64,35 @@ def _value(rng: random.Random, depth: int) -> dict[str, Any]:
 
 def json_schema_format(schema: dict[str, Any], name: str = "answer") -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def streamed_text(r: Any, chat: bool) -> tuple[str, str | None]:
+    """The text and finish reason of a streamed response."""
+    text, reason = "", None
+    for line in r.iter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        for choice in json.loads(line[6:])["choices"]:
+            text += (choice["delta"].get("content") or "") if chat else choice["text"]
+            reason = choice.get("finish_reason") or reason
+    return text, reason
+
+
+def schema_output(client: Any, route: str, stream: bool, schema: dict[str, Any], seed: int) -> tuple[str, str | None]:
+    """One request constrained to `schema` over the chat or completions route, streamed or not:
+    its text and finish reason."""
+    body: dict[str, Any] = {"max_tokens": 300, "seed": seed, "stream": stream,
+                            "response_format": json_schema_format(schema)}
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": "Give me the record as JSON."}]
+    else:
+        body["prompt"] = "Record as JSON:"
+    url = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    if stream:
+        with client.stream("POST", url, json=body) as r:
+            assert r.status_code == 200
+            return streamed_text(r, route == "chat")
+    r = client.post(url, json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return (choice["message"]["content"] if route == "chat" else choice["text"]), choice["finish_reason"]

@@ -16,7 +16,7 @@ from spanserve.model.loader import load_tokenizer
 from spanserve.server.app import create_app
 from spanserve.server.context import ServerConfig
 from engine_helpers import make_engine
-from structured_helpers import build_tiny_smollm2, json_schema_format, random_schema
+from structured_helpers import build_tiny_smollm2, json_schema_format, random_schema, schema_output
 
 
 @pytest.fixture(scope="module")
@@ -34,39 +34,13 @@ def schemas() -> list[dict[str, Any]]:
     return [random_schema(rng) for _ in range(4)]
 
 
-def streamed_text(r: Any, chat: bool) -> tuple[str, str | None]:
-    text, reason = "", None
-    for line in r.iter_lines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        for choice in json.loads(line[6:])["choices"]:
-            text += (choice["delta"].get("content") or "") if chat else choice["text"]
-            reason = choice.get("finish_reason") or reason
-    return text, reason
-
-
 @pytest.mark.parametrize("route", ["chat", "completions"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_output_validates(client: TestClient, schemas: list[dict[str, Any]], route: str,
                                       stream: bool) -> None:
     k = ["chat", "completions"].index(route) * 2 + int(stream)
     schema = schemas[k]
-    body: dict[str, Any] = {"max_tokens": 300, "seed": k, "stream": stream,
-                            "response_format": json_schema_format(schema)}
-    if route == "chat":
-        body["messages"] = [{"role": "user", "content": "Give me the record as JSON."}]
-    else:
-        body["prompt"] = "Record as JSON:"
-    url = "/v1/chat/completions" if route == "chat" else "/v1/completions"
-    if stream:
-        with client.stream("POST", url, json=body) as r:
-            assert r.status_code == 200
-            text, reason = streamed_text(r, route == "chat")
-    else:
-        r = client.post(url, json=body)
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        text, reason = (choice["message"]["content"] if route == "chat" else choice["text"]), choice["finish_reason"]
+    text, reason = schema_output(client, route, stream, schema, k)
     assert reason == "stop", text
     jsonschema.validate(json.loads(text), schema)
 

@@ -6,16 +6,14 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
-from typing import Any
 
 import jsonschema
 import pytest
 from starlette.testclient import TestClient
 
 from spanserve.server.context import ServerConfig
-from structured_helpers import json_schema_format, random_schema
+from structured_helpers import random_schema, schema_output
 from test_server_harness import app_client, build_tiny_model
-from test_server_structured import streamed_text
 
 
 @pytest.fixture(scope="module")
@@ -29,22 +27,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
 @pytest.mark.parametrize(("route", "stream"), [("chat", False), ("completions", True)])
 def test_json_schema_output_validates_through_a_core_process(client: TestClient, route: str, stream: bool) -> None:
     schema = random_schema(random.Random(7 + stream))
-    body: dict[str, Any] = {"max_tokens": 300, "seed": 3, "stream": stream,
-                            "response_format": json_schema_format(schema)}
-    if route == "chat":
-        body["messages"] = [{"role": "user", "content": "Give me the record as JSON."}]
-    else:
-        body["prompt"] = "Record as JSON:"
-    url = "/v1/chat/completions" if route == "chat" else "/v1/completions"
-    if stream:
-        with client.stream("POST", url, json=body) as r:
-            assert r.status_code == 200
-            text, reason = streamed_text(r, route == "chat")
-    else:
-        r = client.post(url, json=body)
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        text, reason = (choice["message"]["content"] if route == "chat" else choice["text"]), choice["finish_reason"]
+    text, reason = schema_output(client, route, stream, schema, 3)
     assert reason == "stop", text
     jsonschema.validate(json.loads(text), schema)
 

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 from spanserve.model.config import ModelConfig
+from spanserve.model.shapes import llama3_8b
 from spanserve.model.loader import LoadedModel, expected_shapes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,14 +116,7 @@ def random_tokens(gen: torch.Generator, n: int, vocab_size: int, low: int = 100)
 # ---- random-weight model ------------------------------------------------------------------
 def llama3_8b_config() -> ModelConfig:
     """Llama-3.1-8B's shape (128k context, llama3 RoPE scaling)."""
-    return ModelConfig(
-        arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-        max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
-        eos_token_ids=(128001, 128009), name="random-llama3-8b",
-    )
+    return llama3_8b()
 
 
 def tiny_llama_config() -> ModelConfig:

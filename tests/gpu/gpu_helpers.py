@@ -6,17 +6,9 @@ import gc
 import torch
 
 from spanserve import Segment
-from spanserve.model.config import ModelConfig
+from spanserve.model.shapes import llama3_8b
 
-# Llama-3.1-8B's shape (128k context, llama3 RoPE scaling); weights are random in these tests.
-LLAMA3_8B = ModelConfig(
-    arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-    num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192},
-    max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
-    eos_token_ids=(128001, 128009), name="random-llama3-8b",
-)
+LLAMA3_8B = llama3_8b()  # weights are random in these tests
 
 
 def release() -> None:
