@@ -319,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
              f"context {args.ctx} tokens in {args.chunks} plus segments")
     png = plot(rows, title, args.plot)
     config = {k: v for k, v in vars(args).items()}
+    config["model"] = Path(str(args.model)).name  # a file's name, not where it sat on the machine
     path = write_json(args.out, {
         "benchmark": "quality", "model": f"SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to {args.dtype}, {args.device})",
         "config": config, "num_layers": num_layers, "wall_s": wall, "cpu_s": cpu, "model_load_s": t_load,
