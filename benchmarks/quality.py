@@ -41,8 +41,6 @@ layer D of L), exact match with full, median TTFT of the timed cases.
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -56,7 +54,7 @@ from common import set_threads, write_json  # noqa: E402
 from common.quality_stats import findings, markdown, plot, summarize, table  # noqa: E402
 from common.tasks import FAMILIES, LAYOUTS, Case, is_correct, make_case  # noqa: E402
 
-from spanserve.engine.layout import Segment, sink_prefix  # noqa: E402
+from spanserve.engine.layout import Segment  # noqa: E402
 from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.llm import LLM  # noqa: E402
 from spanserve.model.loader import LoadedModel, load_model  # noqa: E402

@@ -45,15 +45,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # this checkout's spanserve
 from common import format_table, write_json  # noqa: E402
 from common import serving_model, serving_offline  # noqa: E402
-from common.serving_load import (RagShape, Request, chat_requests, rag_corpus, rag_requests, run_load,  # noqa: E402
-                                 summarize)
+from common.serving_load import (RagShape, Request, chat_requests, rag_corpus, rag_requests, roofline,  # noqa: E402
+                                 run_load, stats_diff, summarize, sustained)
 from common.serving_model import FIRST_WORD, SPECIAL_BASE  # noqa: E402
 from common.sharegpt import bound_fraction, fixed_batch, print_summary, sharegpt_requests, vllm_summary  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MODEL = "random-llama3-8b"
-BUCKETS = ((1, 1), (2, 15), (16, 31), (32, 63), (64, 1 << 30))
 
 
 def _pythonpath() -> str:
@@ -125,32 +124,6 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def stats_diff(after: dict[int, list[float]], before: dict[int, list[float]]) -> dict[str, dict[str, float]]:
-    out = {}
-    for b, (s, sec, kv) in after.items():
-        s0, sec0, kv0 = before.get(b, [0.0, 0.0, 0.0])
-        if s > s0:
-            out[str(b)] = {"steps": s - s0, "seconds": sec - sec0, "kv_tokens": kv - kv0}
-    return out
-
-
-def roofline(decode: dict[str, dict[str, float]], weight_bytes: int, kv_bytes: int, gbps: float) -> list[dict]:
-    """Per batch-size bucket: mean step time against (weights + KV read) / copy bandwidth."""
-    rows = []
-    for lo, hi in BUCKETS:
-        sel = [(int(b), d) for b, d in decode.items() if lo <= int(b) <= hi]
-        steps = sum(d["steps"] for _, d in sel)
-        if not steps:
-            continue
-        secs = sum(d["seconds"] for _, d in sel)
-        nbytes = sum(d["steps"] * weight_bytes + d["kv_tokens"] * kv_bytes for _, d in sel)
-        rows.append({"batch": f"{lo}" if lo == hi else f"{lo}+" if hi > 1 << 20 else f"{lo}-{hi}",
-                     "steps": int(steps), "mean_batch": sum(b * d["steps"] for b, d in sel) / steps,
-                     "step_ms": 1e3 * secs / steps, "roofline_ms": 1e3 * nbytes / (gbps * 1e9) / steps,
-                     "fraction_of_roofline": nbytes / (gbps * 1e9) / secs})
-    return rows
 
 
 class Driver:
@@ -246,17 +219,6 @@ class Driver:
               f"{r['output_tokens_per_s']:.0f} tok/s, TTFT p50/p99 {r['ttft_p50_s']:.3f}/{r['ttft_p99_s']:.3f} s, "
               f"ITL p50/p99 {1e3 * r['itl_p50_s']:.1f}/{1e3 * r['itl_p99_s']:.1f} ms, ok {r['ok']}/{r['requests']}"
               + (f" errors {r['errors']}" if r["errors"] else ""), flush=True)
-
-
-def sustained(runs: list[dict[str, Any]], slo: float) -> dict[str, Any] | None:
-    """The highest Poisson rate served without errors with p99 TTFT within the SLO (overload
-    shows as queueing, so TTFT is the test); `capped` when no tried rate broke the SLO."""
-    good = [r for r in runs if not r["errors"] and r["ok"] == r["requests"] and r["ttft_p99_s"] <= slo]
-    if not good:
-        return None
-    best = max(good, key=lambda r: r["offered_rate"])
-    return {"rate": best["offered_rate"], "achieved_requests_per_s": best["requests_per_s"],
-            "ttft_p99_s": best["ttft_p99_s"], "capped": best is runs[-1]}
 
 
 def offline(a: argparse.Namespace, sat: list[Request], warm: list[Request]) -> dict[str, Any]:

@@ -200,3 +200,43 @@ def summarize(results: list[Result], offered_rate: float) -> dict[str, Any]:
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
         "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
     }
+
+
+BUCKETS = ((1, 1), (2, 15), (16, 31), (32, 63), (64, 1 << 30))  # decode batch sizes the roofline groups
+
+
+def stats_diff(after: dict[int, list[float]], before: dict[int, list[float]]) -> dict[str, dict[str, float]]:
+    out = {}
+    for b, (s, sec, kv) in after.items():
+        s0, sec0, kv0 = before.get(b, [0.0, 0.0, 0.0])
+        if s > s0:
+            out[str(b)] = {"steps": s - s0, "seconds": sec - sec0, "kv_tokens": kv - kv0}
+    return out
+
+
+def roofline(decode: dict[str, dict[str, float]], weight_bytes: int, kv_bytes: int, gbps: float) -> list[dict]:
+    """Per batch-size bucket: mean step time against (weights + KV read) / copy bandwidth."""
+    rows = []
+    for lo, hi in BUCKETS:
+        sel = [(int(b), d) for b, d in decode.items() if lo <= int(b) <= hi]
+        steps = sum(d["steps"] for _, d in sel)
+        if not steps:
+            continue
+        secs = sum(d["seconds"] for _, d in sel)
+        nbytes = sum(d["steps"] * weight_bytes + d["kv_tokens"] * kv_bytes for _, d in sel)
+        rows.append({"batch": f"{lo}" if lo == hi else f"{lo}+" if hi > 1 << 20 else f"{lo}-{hi}",
+                     "steps": int(steps), "mean_batch": sum(b * d["steps"] for b, d in sel) / steps,
+                     "step_ms": 1e3 * secs / steps, "roofline_ms": 1e3 * nbytes / (gbps * 1e9) / steps,
+                     "fraction_of_roofline": nbytes / (gbps * 1e9) / secs})
+    return rows
+
+
+def sustained(runs: list[dict[str, Any]], slo: float) -> dict[str, Any] | None:
+    """The highest Poisson rate served without errors with p99 TTFT within the SLO (overload
+    shows as queueing, so TTFT is the test); `capped` when no tried rate broke the SLO."""
+    good = [r for r in runs if not r["errors"] and r["ok"] == r["requests"] and r["ttft_p99_s"] <= slo]
+    if not good:
+        return None
+    best = max(good, key=lambda r: r["offered_rate"])
+    return {"rate": best["offered_rate"], "achieved_requests_per_s": best["requests_per_s"],
+            "ttft_p99_s": best["ttft_p99_s"], "capped": best is runs[-1]}
