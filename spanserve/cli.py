@@ -103,7 +103,8 @@ def _serve(args: argparse.Namespace) -> int:
         api_keys_file=args.api_keys_file, auth_all_routes=args.auth_all_routes, metrics_open=args.metrics_open,
         strict_params=args.strict_params,
         engine_process=not args.no_engine_process, api_server_count=args.api_server_count,
-        restart_engine=args.restart_engine, step_timeout_s=args.step_timeout, limits=_limits(args)))
+        restart_engine=args.restart_engine, step_timeout_s=args.step_timeout, limits=_limits(args),
+        chat_template=args.chat_template, tool_call_parser=args.tool_call_parser))
 
 
 def _limits(args: argparse.Namespace) -> RequestLimits:
@@ -146,6 +147,26 @@ def _generate(args: argparse.Namespace) -> int:
     llm.close()
     print(out.text)
     return 0
+
+
+def _limit_args(s: argparse.ArgumentParser) -> None:
+    lim = s.add_argument_group("request limits (see docs/security.md)")
+    lim.add_argument("--max-body-bytes", type=_size, default=64 << 20, metavar="SIZE",
+                     help="request bodies beyond this get 413, counted while they stream in (default 64MiB)")
+    lim.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
+                     help="text prompts beyond this many characters get 400 before they are tokenized "
+                          "(default: max model len x 128, more than any prompt that fits can have)")
+
+
+def _chat_args(s: argparse.ArgumentParser) -> None:
+    t = s.add_argument_group("chat templates and tool calling (see docs/tools.md)")
+    t.add_argument("--chat-template", default=None, metavar="NAME|PATH",
+                   help="render chats with a shipped template (hermes, llama3_json, mistral) or a Jinja file "
+                        "(default: the model's own)")
+    t.add_argument("--tool-call-parser", default="auto",
+                   choices=["auto", "hermes", "llama3_json", "mistral", "none"],
+                   help="the format the model writes tool calls in (default auto: recognised from the chat "
+                        "template; none: requests with tools get 400 unless tool_choice is none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,12 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="processes per API server that compile response_format grammars (started on first use)")
     p.add_argument("--grammar-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="a response_format that takes longer to compile is refused (400) and its worker killed")
-    lim = s.add_argument_group("request limits (see docs/security.md)")
-    lim.add_argument("--max-body-bytes", type=_size, default=64 << 20, metavar="SIZE",
-                     help="request bodies beyond this get 413, counted while they stream in (default 64MiB)")
-    lim.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
-                     help="text prompts beyond this many characters get 400 before they are tokenized "
-                          "(default: max model len x 128, more than any prompt that fits can have)")
+    _limit_args(s)
+    _chat_args(s)
     s.set_defaults(func=_serve)
     c = sub.add_parser("serve-cluster", help="serve replicas behind a segment-aware router on Ray Serve")
     _engine_args(c)

@@ -110,7 +110,7 @@ def test_chat_with_every_openai_field(server: ServerProcess, client: openai.Open
     assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 10
     log = server.log_text()
-    for field in ("metadata", "store", "service_tier", "reasoning_effort", "user", "parallel_tool_calls"):
+    for field in ("metadata", "store", "service_tier", "reasoning_effort", "user"):
         assert field in log.split("accepted and ignored:")[-1], field
 
 

@@ -192,9 +192,12 @@ def test_chat_plus_messages_are_reused_in_any_order(http: httpx.Client) -> None:
     first, swapped = chat(DOCS), chat(DOCS[::-1])
     assert swapped["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"]
     assert reuse(swapped)["segment"] > 0
-    bad = {"model": MODEL, "messages": [{"role": "tool", "content": "x", "kind": "plus"},
+    bad = {"model": MODEL, "messages": [{"role": "function", "name": "f", "content": "x", "kind": "plus"},
                                         {"role": "user", "content": "q"}]}
     assert error(http.post("/v1/chat/completions", json=bad))["param"] == "messages.0.role"
+    orphan = {"model": MODEL, "messages": [{"role": "tool", "content": "x", "kind": "plus", "tool_call_id": "c1"},
+                                           {"role": "user", "content": "q"}]}
+    assert error(http.post("/v1/chat/completions", json=orphan))["param"] == "messages.0.tool_call_id"
 
 
 # ---------------------------------------------------------------------------- pinning

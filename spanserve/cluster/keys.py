@@ -102,8 +102,8 @@ class KeyMaker:
         messages = [ChatMessage.model_validate(m) for m in req.get("messages") or []]
         gen = req.get("add_generation_prompt", True)
         if is_span_chat(messages):
-            segs = Planner(self.tok).layout(chat_query(messages))
-            return self._layout(list(segs if gen else segs[:-1]), req)
+            segs = Planner(self.tok).layout(chat_query(messages), gen)
+            return self._layout(list(segs), req)
         text = self.tok.apply_chat_template([m.as_template_dict() for m in messages], tokenize=False,
                                             add_generation_prompt=gen)
         return self._plain(self._encode(text), req)

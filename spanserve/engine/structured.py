@@ -50,9 +50,22 @@ class JsonFormat:
     name: str | None = None
 
 
-def parse_response_format(value: Any) -> JsonFormat | None:
-    """The JSON format a response_format asks for, None for plain text; raises
-    ResponseFormatError for any other shape (checked before any grammar library runs)."""
+@dataclass(frozen=True)
+class StructuralFormat:
+    """An xgrammar structural tag (`{"type": "structural_tag", "format": {...}}`): free text and
+    constrained regions, as tool calls need. With `json_separators` every JSON Schema region is
+    written with exactly those separators and no other whitespace (one layout per value)."""
+
+    format: str  # the structural tag as JSON text
+    json_separators: tuple[str, str] | None = None
+
+
+Format = JsonFormat | StructuralFormat
+
+
+def parse_response_format(value: Any) -> Format | None:
+    """The format a response_format asks for, None for plain text; raises ResponseFormatError
+    for any other shape (checked before any grammar library runs)."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -62,9 +75,11 @@ def parse_response_format(value: Any) -> JsonFormat | None:
         return None
     if kind == "json_object":
         return JsonFormat(None)
+    if kind == "structural_tag":
+        return _structural(value)
     if kind != "json_schema":
-        raise ResponseFormatError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
-                                  f"got {kind!r}")
+        raise ResponseFormatError(f"response_format.type must be 'text', 'json_object', 'json_schema' or "
+                                  f"'structural_tag', got {kind!r}")
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
         raise ResponseFormatError("response_format.json_schema must be an object with 'name' and 'schema' "
@@ -82,6 +97,35 @@ def parse_response_format(value: Any) -> JsonFormat | None:
     except (TypeError, ValueError) as e:  # only reachable from Python: JSON bodies always serialize
         raise ResponseFormatError(f"response_format.json_schema.schema is not JSON: {e}") from e
     return JsonFormat(text, name)
+
+
+def _structural(value: dict[str, Any]) -> StructuralFormat:
+    fmt, seps = value.get("format"), value.get("json_separators")
+    if not isinstance(fmt, dict):
+        raise ResponseFormatError("response_format.format must be an xgrammar structural tag format object "
+                                  f"when type is 'structural_tag', got {fmt!r}")
+    if seps is not None and not (isinstance(seps, list) and len(seps) == 2 and all(isinstance(x, str) for x in seps)):
+        raise ResponseFormatError(f"response_format.json_separators must be two strings (item, key), got {seps!r}")
+    try:
+        text = json.dumps({"type": "structural_tag", "format": fmt}, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ResponseFormatError(f"response_format.format is not JSON: {e}") from e
+    return StructuralFormat(text, (seps[0], seps[1]) if seps is not None else None)
+
+
+def _fixed_layout(node: Any, separators: tuple[str, str]) -> Any:
+    """The structural tag with each JSON Schema region replaced by its grammar in one layout."""
+    import xgrammar
+
+    if isinstance(node, list):
+        return [_fixed_layout(x, separators) for x in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and "json_schema" in node:
+        schema = json.dumps(node["json_schema"])
+        grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, separators=separators)
+        return {"type": "grammar", "grammar": str(grammar)}
+    return {k: _fixed_layout(v, separators) for k, v in node.items()}
 
 
 @dataclass
@@ -132,10 +176,15 @@ class Grammars:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
 
-    def compile(self, fmt: JsonFormat) -> Any:
+    def compile(self, fmt: Format) -> Any:
         """The compiled grammar of fmt; ResponseFormatError if the schema cannot be compiled."""
         compiler = self._get_compiler()
         try:
+            if isinstance(fmt, StructuralFormat):
+                tag = json.loads(fmt.format)
+                if fmt.json_separators is not None:
+                    tag = _fixed_layout(tag, fmt.json_separators)
+                return compiler.compile_structural_tag(json.dumps(tag))
             if fmt.schema is None:
                 # strict_mode off: an object may carry any properties
                 return compiler.compile_json_schema('{"type":"object"}', any_whitespace=False,
@@ -143,8 +192,9 @@ class Grammars:
             return compiler.compile_json_schema(fmt.schema, any_whitespace=False, separators=SEPARATORS)
         except Exception as e:  # whatever the compiler raises on a user's schema is the schema's refusal
             reason = _CPP_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else "")
-            raise ResponseFormatError(f"response_format.json_schema.schema is not a usable JSON Schema: "
-                                      f"{reason or type(e).__name__}") from e
+            what = "format is not a usable structural tag" if isinstance(fmt, StructuralFormat) else \
+                "json_schema.schema is not a usable JSON Schema"
+            raise ResponseFormatError(f"response_format.{what}: {reason or type(e).__name__}") from e
 
     def open(self, request_id: str, compiled: Any) -> None:
         """A matcher for the request: `compiled` is what `compile` gave, here or (as its

@@ -6,6 +6,7 @@ becomes a plus segment; an evaluated inner generation contributes its exact prom
 token ids, which are what its finished request left in the cache."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,18 @@ class Done(Node):
     input: Node  # the evaluated input, for the closure
 
 
+@dataclass(frozen=True)
+class Turn(Message):
+    """A chat message with more than a role and text (tool calls, a tool result's call id, a
+    name), as the chat template takes it: planned from an API request's history, never parsed
+    from a span query."""
+
+    fields: str = "{}"  # the template's message dict, as JSON (a frozen node holds no dict)
+
+    def template_dict(self) -> dict[str, Any]:
+        return dict(json.loads(self.fields))
+
+
 _PROBE = {"role": "system", "content": "-"}
 
 
@@ -32,33 +45,45 @@ class PromptTooLong(ValueError):
 
 
 class Planner:
-    def __init__(self, tokenizer: Any, anchor: str = "none", max_chars: int | None = None):
+    def __init__(self, tokenizer: Any, anchor: str = "none", max_chars: int | None = None,
+                 tools: list[dict[str, Any]] | None = None):
         """max_chars: the most message text one layout may hold, checked before any is
-        tokenized (None: unbounded; the engine still refuses a prompt longer than its context)."""
+        tokenized (None: unbounded; the engine still refuses a prompt longer than its context).
+        tools: OpenAI tool objects the template describes to the model."""
         if anchor not in ("none", "prefix"):
             raise ValueError(f"anchor must be 'none' or 'prefix', got {anchor!r}")
         self.tok = tokenizer
         self.anchor = anchor
         self.max_chars = max_chars
+        self.tools = tools or None
         self.templated = bool(getattr(tokenizer, "chat_template", None))
 
-    def _render(self, msgs: list[dict[str, str]], gen: bool = False) -> str:
-        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    def _render(self, msgs: list[dict[str, Any]], gen: bool = False) -> str:
+        return self.tok.apply_chat_template(msgs, tools=self.tools, tokenize=False, add_generation_prompt=gen)
 
     def turn(self, m: Message) -> str:
         """A message's text as the template renders it anywhere but first: the template's
         output for [probe, m] minus its output for [probe]."""
         if not self.templated:
             return f"{m.role}: {m.text}\n"
-        msg = {"role": m.role, "content": m.text}
-        return self._render([_PROBE, msg])[len(self._render([_PROBE])):]
+        probe = self._render([_PROBE])
+        both = self._render([_PROBE, _dict(m)])
+        if not both.startswith(probe):
+            raise ValueError(f"the chat template renders a {m.role} message by changing what comes before it, "
+                             "so it cannot be a segment of its own")
+        return both[len(probe):]
 
-    def preamble(self, first: Message) -> str:
-        """What the template puts before a leading message (e.g. a default system prompt)."""
+    def preamble(self, first: Message) -> tuple[str, bool]:
+        """What the template puts before a leading message (a default system prompt, the tools),
+        and whether that text holds the message itself: a template that merges the tools into
+        the system message renders it as no later turn would."""
         if not self.templated:
-            return ""
-        whole = self._render([{"role": first.role, "content": first.text}])
-        return whole[: len(whole) - len(self.turn(first))]
+            return "", False
+        whole = self._render([_dict(first)])
+        turn = self.turn(first)
+        if whole.endswith(turn):
+            return whole[: len(whole) - len(turn)], False
+        return whole, True
 
     def generation_prompt(self) -> str:
         if not self.templated:
@@ -74,7 +99,7 @@ class Planner:
             out += list(p.prompt_ids) + list(p.output_ids) if isinstance(p, Done) else self._encode(self.turn(p))
         return out
 
-    def layout(self, input: Node) -> list[Segment]:
+    def layout(self, input: Node, generation_prompt: bool = True) -> list[Segment]:
         items = _items(input, "cross")
         if not items:
             raise ValueError("a generation's input has no messages")
@@ -84,8 +109,15 @@ class Planner:
                                 f"{self.max_chars} that any prompt fitting the model's context can have")
         segs: list[Segment] = []
         first = items[0][1][0]
-        if isinstance(first, Message) and (pre := self.preamble(first)):
-            segs.append(Segment(token_ids=self._encode(pre)))
+        if isinstance(first, Message):
+            pre, absorbed = self.preamble(first)
+            if absorbed:
+                if items[0][0] == "plus":
+                    raise ValueError("the chat template renders the first message together with the tools; "
+                                     "send it as an ordinary (cross) message")
+                items[0] = (items[0][0], items[0][1][1:])
+            if pre:
+                segs.append(Segment(token_ids=self._encode(pre)))
         for kind, parts in items:
             ids = self._tokens(parts)
             if not ids:
@@ -95,8 +127,14 @@ class Planner:
                 segs.append(Segment(token_ids=ids, kind="plus", anchor=anchor))
             else:
                 segs.append(Segment(token_ids=ids))
-        segs.append(Segment(token_ids=self._encode(self.generation_prompt())))
+        gen = self._encode(self.generation_prompt()) if generation_prompt else []
+        if gen:  # a template may add nothing (the engine refuses a layout whose tail is a plus segment)
+            segs.append(Segment(token_ids=gen))
         return segs
+
+
+def _dict(m: Message) -> dict[str, Any]:
+    return m.template_dict() if isinstance(m, Turn) else {"role": m.role, "content": m.text}
 
 
 def _items(node: Node, kind: str) -> list[tuple[str, list[Node]]]:

@@ -5,7 +5,7 @@ Three outcomes, decided here once for both routes:
   OpenAI's own caches, reasoning knobs for a model without reasoning): accepted, logged at debug;
 - unknown: fields outside OpenAI's schema and the extensions this server knows: ignored with a
   warning (as vLLM does), or a 400 naming the field under --strict-params;
-- refused: what the server cannot honour (tools, audio, web search, ...): a 400 whose `param`
+- refused: what the server cannot honour (audio, web search, legacy functions, ...): a 400 whose `param`
   names the field and whose message says why and what to send instead.
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 
 IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort", "verbosity", "prediction",
            "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "safety_identifier",
-           "parallel_tool_calls", "modalities", "tool_choice", "function_call", "best_of")
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+           "modalities", "function_call", "best_of")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 # Roles whose messages OpenAI's schema requires content of (an assistant's may be a tool call).
 CONTENT_REQUIRED = ("system", "developer", "user", "tool")
 _TOKEN_ID = re.compile(r"[0-9]+")
@@ -88,14 +88,11 @@ def _check_common(req: SamplingRequest) -> None:
 
 
 def _check_chat(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise refused("tools", "function calling is not supported by this server; omit tools")
     if req.functions:
-        raise refused("functions", "function calling is not supported by this server; omit functions")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise refused("tool_choice", "no tools can be called here; omit tool_choice or send \"none\"")
+        raise refused("functions", "the legacy functions field is not served; declare the functions in tools")
     if req.function_call not in (None, "none", "auto"):
-        raise refused("function_call", "no functions can be called here; omit function_call or send \"none\"")
+        raise refused("function_call", "the legacy function_call field is not served; name the function in "
+                                       "tool_choice")
     if req.audio is not None or "audio" in (req.modalities or ()):
         raise refused("audio" if req.audio is not None else "modalities",
                       "this server generates text only; omit audio and ask for modalities [\"text\"]")

@@ -7,6 +7,7 @@ after its length is checked against the most characters a prompt fitting the con
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +50,7 @@ from spanserve.server.protocol import (
 )
 from spanserve.server.streaming import fan_in
 from spanserve.server.tokenizers import TokenizerPool, encode, warmed_copy
+from spanserve.toolcall.chat_setup import resolve_chat_setup
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,10 @@ class ServerConfig:
     # /health answers 503 once requests have waited this long on an engine that finished no step
     step_timeout_s: float = 60.0
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # --chat-template (a shipped template's name or a file; None: the model's) and
+    # --tool-call-parser (a format, "auto" to recognise it in the template, or "none")
+    chat_template: str | None = None
+    tool_call_parser: str = "auto"
 
 
 @dataclass
@@ -123,6 +129,11 @@ class ServingContext:
         self.metrics = metrics
         self.max_model_len: int = engine.info.max_model_len
         tok = engine.tokenizer
+        self.chat_setup = resolve_chat_setup(_template_text(tok), config.chat_template, config.tool_call_parser)
+        log.info("%s", self.chat_setup.describe())
+        if tok is not None and self.chat_setup.template != _template_text(tok):
+            tok = copy.deepcopy(tok)  # the engine client's tokenizer is not this context's to change
+            tok.chat_template = self.chat_setup.template
         # Read on the event loop only (token texts, the chat template): workers encode with copies.
         self.tokenizer: Any = warmed_copy(tok) if tok is not None else None
         self.tokenizers = TokenizerPool(tok, self.limits.tokenizer_workers) if tok is not None else None
@@ -190,7 +201,8 @@ class ServingContext:
     async def decode(self, ids: list[int]) -> str:
         return str(await self.on_tokenizer(lambda tok: tok.decode(ids)))
 
-    async def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    async def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", code="no_chat_template")
@@ -199,7 +211,8 @@ class ServingContext:
 
         def render(tok: Any) -> list[int]:
             try:
-                text = tok.apply_chat_template(dicts, tokenize=False, add_generation_prompt=add_generation_prompt)
+                text = tok.apply_chat_template(dicts, tools=tools, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt)
             except Exception as e:  # templates raise on conversations they reject (role order etc.)
                 raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from e
             # Tool calls and names reach the template too: bound what it made, not only the contents.
@@ -327,6 +340,14 @@ class ServingContext:
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from e
         return [f for f in finals if f is not None]
+
+
+def _template_text(tok: Any) -> str | None:
+    """The tokenizer's chat template; of several named ones, the one for tools, else the default."""
+    t = getattr(tok, "chat_template", None) if tok is not None else None
+    if isinstance(t, dict):
+        t = t.get("tool_use") or t.get("default")
+    return t if isinstance(t, str) and t else None
 
 
 def prompt_len(prompt: Prompt) -> int:

@@ -20,7 +20,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from spanserve.engine.structured import TOO_COMPLEX, Grammars, JsonFormat, ResponseFormatError, parse_response_format
+from spanserve.engine.structured import (TOO_COMPLEX, Format, Grammars, JsonFormat, ResponseFormatError,
+                                         parse_response_format)
 from spanserve.server.limits import RequestLimits, check_schema
 
 log = logging.getLogger("spanserve.grammars")
@@ -72,7 +73,7 @@ class _Worker:
             raise RuntimeError(f"a grammar compile worker did not start (exit code {self.proc.exitcode})")
         self.ready = True
 
-    def compile(self, fmt: JsonFormat, timeout_s: float) -> str:
+    def compile(self, fmt: Format, timeout_s: float) -> str:
         """The serialized grammar; ResponseFormatError if refused, TimeoutError if it overran
         (the worker is then dead), EOFError if the worker died on it."""
         self.conn.send(fmt)
@@ -113,7 +114,7 @@ class GrammarPool:
             return None
         return await asyncio.get_running_loop().run_in_executor(self._threads, self.compile, fmt)
 
-    def compile(self, fmt: JsonFormat) -> str:
+    def compile(self, fmt: Format) -> str:
         """Blocking: compile on a free worker (started if none is idle)."""
         with self._slots:
             worker = self._take()

@@ -22,6 +22,7 @@ from spanserve.engine.config import EngineConfig
 from spanserve.server.context import ServerConfig
 from spanserve.server.keys import KeyRing
 from spanserve.server.limits import RequestLimits
+from spanserve.toolcall.chat_setup import resolve_chat_setup
 from spanserve.worker.storage import bytes_per_block
 
 if TYPE_CHECKING:
@@ -64,6 +65,8 @@ class ServeOptions:
     restart_engine: bool = False  # a core that dies is replaced (default: the server exits non-zero)
     step_timeout_s: float = 60.0  # /health is 503 once requests wait this long on a core that finishes no step
     limits: RequestLimits = field(default_factory=RequestLimits)  # bounds on one request (server/limits.py)
+    chat_template: str | None = None  # a shipped template (hermes, llama3_json, mistral) or a Jinja file
+    tool_call_parser: str = "auto"  # hermes | llama3_json | mistral | auto (from the template) | none
 
     def check(self) -> None:
         if self.api_server_count < 1:
@@ -72,6 +75,8 @@ class ServeOptions:
             raise ValueError("--api-server-count > 1 needs the engine core in its own process; drop --no-engine-process")
         if self.restart_engine and (self.api_server_count > 1 or not self.engine_process):
             raise ValueError("--restart-engine needs one API server and the engine core in its own process")
+        # a bad name or path fails here, before any model loads
+        resolve_chat_setup(None, self.chat_template, self.tool_call_parser)
         if not self.step_timeout_s > 0:
             raise ValueError(f"--step-timeout must be > 0 seconds, got {self.step_timeout_s}")
         self.limits.check()
@@ -152,7 +157,8 @@ def server_config(opts: ServeOptions, engine_config: EngineConfig) -> ServerConf
                         max_pending=engine_config.scheduler.max_num_seqs + opts.max_queued_requests,
                         strict_params=opts.strict_params, api_key=resolve_api_key(opts.api_key, os.environ),
                         api_keys_file=keys_file, auth_all_routes=opts.auth_all_routes,
-                        metrics_open=opts.metrics_open, step_timeout_s=opts.step_timeout_s, limits=opts.limits)
+                        metrics_open=opts.metrics_open, step_timeout_s=opts.step_timeout_s, limits=opts.limits,
+                        chat_template=opts.chat_template, tool_call_parser=opts.tool_call_parser)
 
 
 def run_api(opts: ServeOptions, engine: "LLMEngine | EngineClient", config: ServerConfig,

@@ -141,16 +141,19 @@ def check_schema(response_format: Any, limits: RequestLimits) -> None:
     """Refuse a json_schema response format too large to compile, or whose regex patterns repeat
     more than a grammar can hold (the compiler's time grows with the square of a count, and
     multiplies across nested counts), before it reaches a compiler."""
-    if not isinstance(response_format, dict) or response_format.get("type") != "json_schema":
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema, where = spec.get("schema") if isinstance(spec, dict) else None, "json_schema.schema"
+    elif kind == "structural_tag":  # its JSON Schema regions and regex patterns, all together
+        schema, where = response_format.get("format"), "format"
+    else:
         return
-    spec = response_format.get("json_schema")
-    schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
         return  # the format's own parser says what is wrong with it
     size = len(json.dumps(schema, separators=(",", ":")).encode())
     if size > limits.max_schema_bytes:
-        raise _too_complex(f"response_format.json_schema.schema is {size} bytes of JSON; at most "
-                           f"{limits.max_schema_bytes}")
+        raise _too_complex(f"response_format.{where} is {size} bytes of JSON; at most {limits.max_schema_bytes}")
     for pattern in _patterns(schema):
         single, nested = repeat_bounds(pattern)
         if single > limits.max_pattern_repeat:

@@ -2,6 +2,7 @@
 reduced to what a text model's chat template takes."""
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -50,12 +51,49 @@ class ContentPart(OpenAIBody):
         return self.text if self.type == "text" else (self.refusal or "")
 
 
+class FunctionCall(OpenAIBody):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(OpenAIBody):
+    """A call an assistant made: in an earlier turn of the history, or in this response."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def as_template_dict(self) -> dict[str, Any]:
+        # Templates take arguments as an object (transformers' convention); text that is not
+        # JSON reaches them as it was sent.
+        try:
+            args: Any = json.loads(self.function.arguments)
+        except ValueError:
+            args = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of call `index`: its first piece carries id, type and name; the pieces'
+    arguments concatenate to the call's."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(OpenAIBody):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an earlier assistant turn's calls: to the template
+    tool_calls: list[ToolCall] | None = None  # an earlier assistant turn's calls
     function_call: dict[str, Any] | None = None
     refusal: str | None = None
     audio: dict[str, Any] | None = None  # an earlier audio answer by id: none exists here
@@ -80,8 +118,10 @@ class ChatMessage(OpenAIBody):
         if content is None and self.refusal is not None:
             content = self.refusal
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
-        for key in ("name", "tool_call_id", "tool_calls", "function_call"):
+        for key in ("name", "tool_call_id", "function_call"):
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
+        if self.tool_calls:
+            out["tool_calls"] = [c.as_template_dict() for c in self.tool_calls]
         return out

@@ -15,13 +15,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from spanserve.engine.params import MAX_LOGPROBS
-from spanserve.server.messages import ChatMessage, ContentPart, OpenAIBody
+from spanserve.server.messages import ChatMessage, ContentPart, DeltaToolCall, OpenAIBody, ToolCall
 
-__all__ = ["ChatMessage", "ContentPart", "OpenAIBody"]
+__all__ = ["ChatMessage", "ContentPart", "DeltaToolCall", "OpenAIBody", "ToolCall"]
 
 MAX_N = 16  # choices per request: each one is a full request in the engine
 MAX_PROMPTS = 64  # prompts in one batched completions request
 MAX_SEGMENTS = 1024  # segments in one span layout or pin request
+MAX_TOOLS = 128  # functions one chat request may declare (OpenAI's limit)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what a torch generator accepts
 
 # fail_fast: a list stops at its first bad item. Without it a union tries each member on every
@@ -58,7 +59,7 @@ class SamplingRequest(OpenAIBody):
     user: str | None = None  # end-user tag: informational only
     response_format: dict[str, Any] | None = None  # handed to the sampler as sent
     # vLLM extensions
-    top_k: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None  # beyond the vocabulary: all tokens
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: TokenIds | None = None
@@ -138,11 +139,13 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True  # vLLM extension
-    # OpenAI fields that change nothing for a text model without tools (server/compat.py says
-    # which values are accepted and which are refused)
-    tools: list[Any] | None = None
+    # Function calling (server/tools.py): checked there, rendered by the chat template, enforced
+    # by a grammar and parsed from the output by the server's --tool-call-parser
+    tools: Annotated[list[Any], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI fields that change nothing for a text model (server/compat.py says which values are
+    # accepted and which are refused)
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -255,6 +258,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -278,6 +282,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

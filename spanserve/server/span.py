@@ -7,13 +7,14 @@ and the engine sees exactly the tokens a client would get from a plain prompt of
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from spanserve.engine.client import EngineDeadError, EngineOverloaded
 from spanserve.engine.layout import Segment
 from spanserve.query.ir import Assistant, Cross, Message, Node, Plus, System, User
-from spanserve.query.plan import Planner, PromptTooLong
+from spanserve.query.plan import Planner, PromptTooLong, Turn
 from spanserve.server.auth import namespace_for
 from spanserve.server.context import ServingContext
 from spanserve.server.errors import APIError, bad_request
@@ -47,14 +48,15 @@ async def completion_layout(ctx: ServingContext, segments: Sequence[SpanSegment]
 
 
 def _message_node(i: int, m: ChatMessage) -> Message:
+    fields = m.as_template_dict()
     cls = _ROLES.get(m.role)
-    if cls is None:
+    if cls is not None and set(fields) == {"role", "content"}:
+        return cls(str(fields["content"]))
+    if m.role not in (*_ROLES, "tool"):
         raise bad_request(f"messages.{i}: role {m.role!r} cannot be used in a chat with plus messages; "
-                          f"use one of {sorted(_ROLES)}", param=f"messages.{i}.role")
-    if m.name is not None:
-        raise bad_request(f"messages.{i}: name is not supported in a chat with plus messages",
-                          param=f"messages.{i}.name")
-    return cls(str(m.as_template_dict()["content"]))
+                          f"use one of {sorted((*_ROLES, 'tool'))}", param=f"messages.{i}.role")
+    # tool results, calls and names reach the template whole
+    return Turn(str(fields["content"]), json.dumps(fields))
 
 
 def chat_query(messages: Sequence[ChatMessage]) -> Node:
@@ -76,8 +78,10 @@ def chat_query(messages: Sequence[ChatMessage]) -> Node:
     return Cross(tuple(items))
 
 
-async def chat_layout(ctx: ServingContext, messages: Sequence[ChatMessage],
-                      add_generation_prompt: bool) -> list[Segment]:
+async def chat_layout(ctx: ServingContext, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                      tools: list[dict[str, Any]] | None = None) -> list[Segment]:
+    """The conversation as a span layout: each plus message (a document a tool returned, say)
+    a standalone segment, rendered by the template on its own."""
     tok = ctx.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", code="no_chat_template")
@@ -86,14 +90,11 @@ async def chat_layout(ctx: ServingContext, messages: Sequence[ChatMessage],
 
     def plan(tok: Any) -> list[Segment]:
         try:
-            segs = Planner(tok, max_chars=ctx.max_prompt_chars).layout(query)
+            return Planner(tok, max_chars=ctx.max_prompt_chars, tools=tools).layout(query, add_generation_prompt)
         except PromptTooLong as e:
             raise bad_request(str(e), param="messages", code="context_length_exceeded") from e
         except Exception as e:  # templates raise on conversations they reject (role order etc.)
             raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from e
-        # The planner always ends with the generation prompt; without it the conversation's
-        # last message is the tail (the engine refuses a layout whose tail is a plus segment).
-        return segs if add_generation_prompt else segs[:-1]
 
     return list(await ctx.on_tokenizer(plan))
 
