@@ -17,15 +17,21 @@ import os
 import pickle
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from spanserve.engine.structured import (TOO_COMPLEX, Format, Grammars, JsonFormat, ResponseFormatError,
                                          parse_response_format)
+from spanserve.server.errors import APIError
 from spanserve.server.limits import RequestLimits, check_schema
 
 log = logging.getLogger("spanserve.grammars")
 START_TIMEOUT_S = 300.0  # importing xgrammar and building the tokenizer info on a loaded machine
+# An agent sends the same tools every turn: their grammar (megabytes of JSON, tens of ms to
+# serialize) is kept, and so is a refusal, so that a format that timed out costs its 5 s once.
+KEPT_FORMATS = 32
+KEPT_BYTES = 128 << 20
 WATCH_S = 1.0
 
 
@@ -106,6 +112,8 @@ class GrammarPool:
         # one thread per worker waits on it; compiles beyond the workers queue here
         self._threads = ThreadPoolExecutor(limits.grammar_workers, thread_name_prefix="spanserve-grammar")
         self.killed = 0  # workers killed for overrunning the timeout
+        self._kept: OrderedDict[Format, tuple[str, str | None]] = OrderedDict()  # fmt -> (text, code) or error
+        self._kept_bytes = 0
 
     async def __call__(self, response_format: Any) -> str | None:
         check_schema(response_format, self.limits)
@@ -115,7 +123,33 @@ class GrammarPool:
         return await asyncio.get_running_loop().run_in_executor(self._threads, self.compile, fmt)
 
     def compile(self, fmt: Format) -> str:
-        """Blocking: compile on a free worker (started if none is idle)."""
+        """Blocking: the grammar of a format compiled before, else compiled on a free worker."""
+        with self._lock:
+            kept = self._kept.get(fmt)
+            if kept is not None:
+                self._kept.move_to_end(fmt)
+        if kept is None:
+            try:
+                kept = (self._compile(fmt), None)
+            except ResponseFormatError as e:
+                kept = (str(e), e.code or "")
+            self._keep(fmt, kept)
+        text, code = kept
+        if code is not None:
+            raise ResponseFormatError(text, code or None)
+        return text
+
+    def _keep(self, fmt: Format, kept: tuple[str, str | None]) -> None:
+        with self._lock:
+            if fmt in self._kept:
+                return
+            self._kept[fmt] = kept
+            self._kept_bytes += len(kept[0])
+            while len(self._kept) > KEPT_FORMATS or self._kept_bytes > KEPT_BYTES:
+                _, (old, _) = self._kept.popitem(last=False)
+                self._kept_bytes -= len(old)
+
+    def _compile(self, fmt: Format) -> str:
         with self._slots:
             worker = self._take()
             try:
@@ -147,9 +181,11 @@ class GrammarPool:
             self._all.add(worker)
         try:
             worker.wait_ready()
-        except RuntimeError:
+        except RuntimeError as e:
             self._drop(worker)
-            raise
+            log.error("%s; its output above says why", e)
+            raise APIError(503, f"response_format: the server cannot compile grammars now ({e}); its log says why. "
+                                "Retry later, or send no response_format", code="grammar_compiler_unavailable") from None
         return worker
 
     def _give_back(self, worker: _Worker) -> None:
