@@ -20,11 +20,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,6 +34,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # this checkout's spanserve
 from common import format_table, llama3_8b_config, write_json
+from common.server_process import free_port, start_server
 from common.serving_model import tiny, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,31 +84,9 @@ def write_agent_model(path: Path, tokenizer: Any, gpu: bool) -> None:
     tokenizer.save_pretrained(str(path))  # over the word-level tokenizer write_model leaves
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(model: Path, port: int, log: Path, gpu: bool) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
-    cmd = [sys.executable, "-m", "spanserve.cli", "serve", "--model", str(model), "--port", str(port),
-           "--served-model-name", "agent", "--tool-call-parser", "hermes"]
-    cmd += [] if gpu else ["--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "256MiB"]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError("the server did not come up in 900 s")
+def server_args(model: Path, gpu: bool) -> list[str]:
+    args = ["--model", str(model), "--served-model-name", "agent", "--tool-call-parser", "hermes"]
+    return args + ([] if gpu else ["--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "256MiB"])
 
 
 @dataclasses.dataclass
@@ -247,7 +223,7 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="Llama-3-8B shapes in bf16 on the GPU (default: tiny on CPU)")
     ap.add_argument("--tokenizer", default=None, help="a directory save-tokenizer wrote (default: SmolLM2's GGUF)")
     ap.add_argument("--model-dir", default=None, help="where to write the model (default: a temporary directory)")
-    ap.add_argument("--turns", type=int, default=None)
+    ap.add_argument("--turns", type=int, default=None, help="fewer turns, to check the script (writes agent*_quick.json)")
     args = ap.parse_args()
     import transformers
 
@@ -266,7 +242,7 @@ def main() -> None:
             write_agent_model(model, tok, args.gpu)
         docs = corpus(tok, w.documents, w.doc_words)
         port = free_port()
-        proc = start_server(model, port, Path(tmp) / "server.log", args.gpu)
+        proc = start_server(server_args(model, args.gpu), port, Path(tmp) / "server.log")
         base = f"http://127.0.0.1:{port}"
         try:
             # workers, CUDA graphs, the grammar, and the kernels of segment reuse (first hit in turn 3)
@@ -282,7 +258,7 @@ def main() -> None:
             proc.wait(60)
     device = "GPU" if args.gpu else "CPU"
     ratios = report(w, summary, device)
-    name = "agent_gpu.json" if args.gpu else "agent.json"
+    name = ("agent_gpu" if args.gpu else "agent") + ("_quick.json" if args.turns else ".json")
     path = write_json(name, {"workload": dataclasses.asdict(w), "model": "random Llama-3-8B shapes, bf16" if args.gpu
                              else "random 2-layer Llama, float32", "tokenizer": "SmolLM2-135M-Instruct",
                              "plain_over_plus": ratios, "runs": summary})

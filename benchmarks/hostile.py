@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import select
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,6 +32,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # this checkout's spanserve
 from common import format_table, write_json
+from common.server_process import free_port, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = {"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0.0}
@@ -41,32 +40,6 @@ PROBE_EVERY_S = 0.2
 TEN_MB = "Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 175_439  # 10.0 MB
 PATTERN = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
     "type": "object", "properties": {"s": {"type": "string", "pattern": "[a-z]{1,20000}"}}, "required": ["s"]}}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(model: str, port: int, log: Path, threads: int) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-               OMP_NUM_THREADS=str(threads))  # torch's threads in the engine core
-    cmd = [sys.executable, "-m", "spanserve.cli", "serve", "--model", model, "--port", str(port), "--device", "cpu"]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not come up in 600 s")
 
 
 class Probe:
@@ -183,13 +156,14 @@ def run_class(probe: Probe, send: Callable[[], tuple[int, float]], window_s: flo
 
 
 def measure(model: str, window_s: float, threads: int) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     rows: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     idle: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
-        proc = start_server(model, port, Path(tmp) / "server.log", threads)
+        proc = start_server(["--model", model, "--device", "cpu"], port, Path(tmp) / "server.log",
+                            env={"OMP_NUM_THREADS": str(threads)}, timeout_s=600)  # torch threads in the core
         try:
             probe = Probe(base)
             for _ in range(5):  # warm: the first requests compile paths and fill the prefix cache

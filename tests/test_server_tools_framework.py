@@ -47,6 +47,7 @@ def test_langchain_bind_tools(server: ServerProcess) -> None:
     assert streamed is not None and [(c["name"], c["args"]) for c in streamed.tool_calls] == [
         (call["name"], call["args"])]
     history += [ai, ToolMessage("Cloudy, 8 degrees.", tool_call_id=call["id"])]
-    answer = llm.bind_tools(TOOLS, tool_choice="none").invoke(history)
+    short = ChatOpenAI(model="tiny", base_url=f"{server.url}/v1", api_key="unused", max_tokens=8, max_retries=0)
+    answer = short.bind_tools(TOOLS, tool_choice="none").invoke(history)
     assert isinstance(answer, AIMessage) and answer.content and not answer.tool_calls
     assert answer.response_metadata["finish_reason"] == "length"
