@@ -122,7 +122,8 @@ def _serve_cluster(args: argparse.Namespace) -> int:
     engine = engine_config(args).to_kwargs()
     opts = ClusterOptions(model=engine.pop("model"), replicas=args.replicas, engine=engine,
                           served_model_name=args.served_model_name, replica_cpus=args.replica_cpus,
-                          replica_gpus=args.replica_gpus, max_queued_requests=args.max_queued_requests)
+                          replica_gpus=args.replica_gpus, max_queued_requests=args.max_queued_requests,
+                          chat_template=args.chat_template, tool_call_parser=args.tool_call_parser)
     return serve_cluster(opts, None if args.address in (None, "local") else args.address, args.host, args.port)
 
 
@@ -161,8 +162,8 @@ def _limit_args(s: argparse.ArgumentParser) -> None:
 def _chat_args(s: argparse.ArgumentParser) -> None:
     t = s.add_argument_group("chat templates and tool calling (see docs/tools.md)")
     t.add_argument("--chat-template", default=None, metavar="NAME|PATH",
-                   help="render chats with a shipped template (hermes, llama3_json, mistral) or a Jinja file "
-                        "(default: the model's own)")
+                   help="render chats with a shipped template (hermes, llama3_json, mistral), a Jinja file or "
+                        "the template itself (default: the model's own)")
     t.add_argument("--tool-call-parser", default="auto",
                    choices=["auto", "hermes", "llama3_json", "mistral", "none"],
                    help="the format the model writes tool calls in (default auto: recognised from the chat "
@@ -232,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--port", type=int, default=8000)
     c.add_argument("--served-model-name", default=None)
     c.add_argument("--max-queued-requests", type=int, default=1024)
+    _chat_args(c)
     c.set_defaults(func=_serve_cluster)
     return parser
 

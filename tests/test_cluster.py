@@ -5,6 +5,7 @@ and a replica killed mid-request is survived and restarted. One Ray instance at 
 heavy on a small machine."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -78,7 +79,8 @@ def test_the_serve_cluster_command_with_default_engine_flags_serves_chat(model_d
     log = tmp_path / "serve-cluster.log"
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "spanserve.cli", "serve-cluster", "--replicas", "2",
-                                 "--model", str(model_dir), "--port", str(port), "--kv-cache-memory", "16MiB"],
+                                 "--model", str(model_dir), "--port", str(port), "--kv-cache-memory", "16MiB",
+                                 "--tool-call-parser", "hermes"],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
@@ -87,6 +89,16 @@ def test_the_serve_cluster_command_with_default_engine_flags_serves_chat(model_d
                                                     "messages": [{"role": "user", "content": "hello world"}]})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["message"]["role"] == "assistant"
+            # the replicas parse tool calls with the parser the command named
+            tool = {"type": "function", "function": {"name": "ping", "parameters": {
+                "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["n"], "additionalProperties": False}}}
+            r = c.post("/v1/chat/completions", json={"model": model_dir.name, "max_tokens": 60, "tools": [tool],
+                                                    "tool_choice": "required", "parallel_tool_calls": False,
+                                                    "messages": [{"role": "user", "content": "ping"}]})
+            assert r.status_code == 200, r.text
+            call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+            assert call["name"] == "ping" and json.loads(call["arguments"])["n"] in range(10)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 130  # stopped by Ctrl-C, after stopping Ray
         _wait(lambda: not _group(proc.pid), 60, "Ray's processes to exit")

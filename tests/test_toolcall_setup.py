@@ -39,6 +39,9 @@ def test_resolve_chat_setup(tmp_path: Path) -> None:
     from_file = resolve_chat_setup(plain, str(path))
     assert from_file.template == TEMPLATES["hermes"] and from_file.parser == "hermes"
     assert f"file {path}" in from_file.describe()
+    inline = resolve_chat_setup(plain, TEMPLATES["mistral"])  # the template itself, as vLLM takes it
+    assert inline.template == TEMPLATES["mistral"] and inline.parser == "mistral"
+    assert "inline" in inline.describe()
     assert resolve_chat_setup(builtin_template("hermes"), None, "none").parser is None
     with pytest.raises(ValueError, match="neither"):
         resolve_chat_setup(plain, str(tmp_path / "missing.jinja"))

@@ -26,6 +26,7 @@ from spanserve.engine.config import EngineConfig
 from spanserve.engine.runtime import Platform, detect_platform
 from spanserve.server.errors import APIError
 from spanserve.server.limits import RequestLimits, read_body
+from spanserve.toolcall.chat_setup import BUILTIN_TEMPLATES, read_template, resolve_chat_setup
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,10 @@ class ClusterOptions:
     slack: float = 0.25  # a replica may hold (1 + slack) x the mean load before requests spill
     retries: int = 1  # times a request is sent again when its replica dies before answering
     health_check_period_s: float = 2.0
+    # --chat-template (a shipped name or the template's text: a replica may not see the head's
+    # files) and --tool-call-parser, as `spanserve serve` takes them
+    chat_template: str | None = None
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -60,6 +65,9 @@ class ClusterOptions:
         if self.retries < 0 or not self.slack >= 0:
             raise ValueError("retries and slack must be >= 0")
         self.engine_config().to_dict()  # checked and shippable here, not in a replica's log
+        if self.chat_template is not None and self.chat_template not in BUILTIN_TEMPLATES:
+            self.chat_template = read_template(self.chat_template)  # the text travels, not the path
+        resolve_chat_setup(None, self.chat_template, self.tool_call_parser)
 
     def engine_config(self) -> EngineConfig:
         """The replicas' engine configuration, checked but not resolved (each replica resolves it)."""
@@ -97,7 +105,8 @@ class EngineReplica:
         self.engine = LLMEngine(config)
         max_pending = config.scheduler.max_num_seqs + opts.max_queued_requests
         server = ServerConfig(served_model_name=opts.served_model_name or default_served_name(opts.model),
-                              model_source=opts.model, max_pending=max_pending)
+                              model_source=opts.model, max_pending=max_pending, chat_template=opts.chat_template,
+                              tool_call_parser=opts.tool_call_parser)
         self.app = create_app(self.engine, server)
         self._lifespan: Any = None
         self._name = serve.get_replica_context().replica_id.unique_id

@@ -1,7 +1,8 @@
 """Which chat template renders requests and which parser reads tool calls, decided once at start.
 
-`--chat-template` names a template spanserve ships (hermes, llama3_json, mistral) or a Jinja
-file; without it the model's own template is used. `--tool-call-parser` names the output format
+`--chat-template` names a template spanserve ships (hermes, llama3_json, mistral), a Jinja file,
+or is the template itself (text with `{{` or `{%`, as vLLM takes it); without it the model's own
+template is used. `--tool-call-parser` names the output format
 of calls; `auto` (the default) recognises it from the template's text. A parser chosen for a
 template that renders no tools brings spanserve's template of that format, so that the model is
 told which tools exist. `describe()` is the line the server logs.
@@ -20,14 +21,27 @@ def builtin_template(name: str) -> str:
     return resources.files("spanserve.toolcall").joinpath("templates", f"{name}.jinja").read_text()
 
 
+def is_inline(flag: str) -> bool:
+    return "{{" in flag or "{%" in flag
+
+
 def read_template(flag: str) -> str:
-    """--chat-template: a shipped template's name, else the path of a Jinja file."""
+    """--chat-template: a shipped template's name, the template itself, else a Jinja file's path."""
     if flag in BUILTIN_TEMPLATES:
         return builtin_template(flag)
+    if is_inline(flag):
+        return flag
     path = Path(flag).expanduser()
     if not path.is_file():
-        raise ValueError(f"--chat-template {flag!r} is neither one of {list(BUILTIN_TEMPLATES)} nor a file")
+        raise ValueError(f"--chat-template {flag!r} is neither one of {list(BUILTIN_TEMPLATES)}, a Jinja "
+                         "template, nor a file")
     return path.read_text()
+
+
+def _source(flag: str) -> str:
+    if flag in BUILTIN_TEMPLATES:
+        return f"{flag} (shipped)"
+    return "the template given inline" if is_inline(flag) else f"file {flag}"
 
 
 def detect_parser(template: str) -> str | None:
@@ -62,7 +76,7 @@ def resolve_chat_setup(model_template: str | None, template_flag: str | None = N
         raise ValueError(f"--tool-call-parser must be one of {[*PARSER_NAMES, 'auto', 'none']}, got {parser_flag!r}")
     if template_flag is not None:
         template: str | None = read_template(template_flag)
-        source = f"{template_flag} (shipped)" if template_flag in BUILTIN_TEMPLATES else f"file {template_flag}"
+        source = _source(template_flag)
     else:
         template, source = model_template, "the model's" if model_template else "none"
     if parser_flag == "none":
