@@ -23,12 +23,16 @@ def engine_and_keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[LLMEngine
     return engine, KeyMaker(load_tokenizer(str(path)), BS)
 
 
-def _engine_keys(engine: LLMEngine, body: dict) -> list[routing.RouteKey]:
+def _engine_keys(engine: LLMEngine, body: dict, segs: list[Segment] | None = None) -> list[routing.RouteKey]:
     """What a replica does with the body: tokenize each segment, resolve the layout, admit it."""
-    segs = [Segment(token_ids=engine.encode(s["text"]), kind=s.get("kind", "cross"), anchor=s.get("anchor", "none"))
-            for s in body["segments"]]
+    if segs is None:
+        segs = [Segment(token_ids=engine.encode(s["text"]), kind=s.get("kind", "cross"),
+                        anchor=s.get("anchor", "none")) for s in body["segments"]]
     req = engine.add_request(segs, namespace=body.get("cache_salt") or "", policy=body.get("policy"))
-    engine.step()  # admitted: its units carry the cache's own keys
+    for _ in range(100):  # admitted (a step may pass first, when admission waits on timing): its units
+        engine.step()     # carry the cache's own keys
+        if req.units:
+            break
     plus = [routing.RouteKey(u.keys[-1] if u.tail_key is None else u.tail_key, len(u.tokens))
             for u in req.units if u.plus]
     engine.abort(req.request_id)
@@ -84,3 +88,35 @@ def test_span_query_keys_are_where_its_documents_are_cached(engine_and_keys: tup
     for k in keys:  # the engine cached each document's unit under exactly this key
         held = [b for b in engine.pool.blocks if b.key == k.key]
         assert len(held) == 1 and len(held[0].tokens) == (k.tokens - 1) % BS + 1
+
+
+def test_chat_keys_render_the_tools_as_the_replica_does(engine_and_keys: tuple[LLMEngine, KeyMaker]) -> None:
+    """A chat with tools and a tool result sent as a plus segment, under a template the replicas
+    were given (--chat-template): the router's keys are the ones the replica caches under."""
+    import copy
+
+    from spanserve.query.plan import Planner
+    from spanserve.server.protocol import ChatMessage
+    from spanserve.server.span import chat_query
+    from spanserve.toolcall.spec import parse_tools
+
+    engine, _ = engine_and_keys
+    template = ("{% if tools %}{% for t in tools %}{{ t.function.name }} ;{% endfor %}\n{% endif %}"
+                "{% for m in messages %}{{ m.role }} : {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant :{% endif %}")
+    km = KeyMaker(copy.deepcopy(engine.tokenizer), BS, chat_template=template)
+    tools = [{"type": "function", "function": {"name": "find", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "find", "arguments": '{"q": "cat"}'}}
+    body = {"tools": tools, "messages": [
+        {"role": "system", "content": "answer ."}, {"role": "user", "content": "who sat ?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "the cat sat on the mat .", "kind": "plus"}]}
+    got = km.keys("/v1/chat/completions", json.dumps(body).encode())
+    tok = copy.deepcopy(engine.tokenizer)
+    tok.chat_template = template
+    messages = [ChatMessage.model_validate(m) for m in body["messages"]]
+    segs = Planner(tok, tools=[t.as_template_dict() for t in parse_tools(tools)]).layout(chat_query(messages))
+    assert len(got) == 2 and got == _engine_keys(engine, body, list(segs))
+    bare = km.keys("/v1/chat/completions", json.dumps({"messages": body["messages"]}).encode())
+    assert bare[0] == got[0] and bare[1] != got[1]  # the same tool result; a prefix without the tools

@@ -26,7 +26,7 @@ from spanserve.engine.config import EngineConfig
 from spanserve.engine.runtime import Platform, detect_platform
 from spanserve.server.errors import APIError
 from spanserve.server.limits import RequestLimits, read_body
-from spanserve.toolcall.chat_setup import BUILTIN_TEMPLATES, read_template, resolve_chat_setup
+from spanserve.toolcall.chat_setup import BUILTIN_TEMPLATES, read_template, resolve_chat_setup, template_text
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +151,9 @@ class Gateway:
         self.retries = opts.retries
         self.max_body_bytes = RequestLimits().max_body_bytes  # the replicas' own limit, checked here first
         config = opts.engine_config()
-        self.keys = KeyMaker(load_tokenizer(opts.model), config.cache.block_size,
-                             str(config.scheduler.default_policy))
+        tok = load_tokenizer(opts.model)
+        setup = resolve_chat_setup(template_text(tok), opts.chat_template, opts.tool_call_parser)
+        self.keys = KeyMaker(tok, config.cache.block_size, str(config.scheduler.default_policy), setup.template)
 
     @gateway_api.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def proxy(self, path: str, request: Request) -> Response:

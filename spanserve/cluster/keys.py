@@ -17,6 +17,7 @@ from spanserve.cache.claim import Piece
 from spanserve.cluster.routing import RouteKey, layout_keys, plus_key, prefix_key
 from spanserve.engine.layout import Segment, resolve
 from spanserve.reuse.policies import resolve_policy
+from spanserve.toolcall.spec import parse_tools
 
 
 def load_tokenizer(model: str) -> Any:
@@ -38,7 +39,12 @@ def load_tokenizer(model: str) -> Any:
 
 
 class KeyMaker:
-    def __init__(self, tokenizer: Any, block_size: int, default_policy: str = "none"):
+    def __init__(self, tokenizer: Any, block_size: int, default_policy: str = "none",
+                 chat_template: str | None = None):
+        """chat_template: the one the replicas render chats with (their ChatSetup's), if not the
+        tokenizer's own; the tokenizer is the key maker's to change."""
+        if tokenizer is not None and chat_template is not None:
+            tokenizer.chat_template = chat_template
         self.tok = tokenizer
         self.block_size = block_size
         self.default_policy = default_policy
@@ -101,10 +107,12 @@ class KeyMaker:
             return []
         messages = [ChatMessage.model_validate(m) for m in req.get("messages") or []]
         gen = req.get("add_generation_prompt", True)
+        # the tools as the replica hands them to the template: they are part of the prompt
+        tools = [t.as_template_dict() for t in parse_tools(req["tools"])] if req.get("tools") else None
         if is_span_chat(messages):
-            segs = Planner(self.tok).layout(chat_query(messages), gen)
+            segs = Planner(self.tok, tools=tools).layout(chat_query(messages), gen)
             return self._layout(list(segs), req)
-        text = self.tok.apply_chat_template([m.as_template_dict() for m in messages], tokenize=False,
+        text = self.tok.apply_chat_template([m.as_template_dict() for m in messages], tools=tools, tokenize=False,
                                             add_generation_prompt=gen)
         return self._plain(self._encode(text), req)
 

@@ -50,7 +50,7 @@ from spanserve.server.protocol import (
 )
 from spanserve.server.streaming import fan_in
 from spanserve.server.tokenizers import TokenizerPool, encode, warmed_copy
-from spanserve.toolcall.chat_setup import resolve_chat_setup
+from spanserve.toolcall.chat_setup import resolve_chat_setup, template_text
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +129,9 @@ class ServingContext:
         self.metrics = metrics
         self.max_model_len: int = engine.info.max_model_len
         tok = engine.tokenizer
-        self.chat_setup = resolve_chat_setup(_template_text(tok), config.chat_template, config.tool_call_parser)
+        self.chat_setup = resolve_chat_setup(template_text(tok), config.chat_template, config.tool_call_parser)
         log.info("%s", self.chat_setup.describe())
-        if tok is not None and self.chat_setup.template != _template_text(tok):
+        if tok is not None and self.chat_setup.template != template_text(tok):
             tok = copy.deepcopy(tok)  # the engine client's tokenizer is not this context's to change
             tok.chat_template = self.chat_setup.template
         # Read on the event loop only (token texts, the chat template): workers encode with copies.
@@ -340,14 +340,6 @@ class ServingContext:
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from e
         return [f for f in finals if f is not None]
-
-
-def _template_text(tok: Any) -> str | None:
-    """The tokenizer's chat template; of several named ones, the one for tools, else the default."""
-    t = getattr(tok, "chat_template", None) if tok is not None else None
-    if isinstance(t, dict):
-        t = t.get("tool_use") or t.get("default")
-    return t if isinstance(t, str) and t else None
 
 
 def prompt_len(prompt: Prompt) -> int:

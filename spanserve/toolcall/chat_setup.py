@@ -12,9 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 PARSER_NAMES = ("hermes", "llama3_json", "mistral")
 BUILTIN_TEMPLATES = PARSER_NAMES
+
+
+def template_text(tok: Any) -> str | None:
+    """A tokenizer's chat template; of several named ones, the one for tools, else the default."""
+    t = getattr(tok, "chat_template", None) if tok is not None else None
+    if isinstance(t, dict):
+        t = t.get("tool_use") or t.get("default")
+    return t if isinstance(t, str) and t else None
 
 
 def builtin_template(name: str) -> str:
