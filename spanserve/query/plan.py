@@ -7,6 +7,7 @@ token ids, which are what its finished request left in the cache."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,16 +47,18 @@ class PromptTooLong(ValueError):
 
 class Planner:
     def __init__(self, tokenizer: Any, anchor: str = "none", max_chars: int | None = None,
-                 tools: list[dict[str, Any]] | None = None):
+                 tools: list[dict[str, Any]] | None = None, encode: Callable[[str], list[int]] | None = None):
         """max_chars: the most message text one layout may hold, checked before any is
         tokenized (None: unbounded; the engine still refuses a prompt longer than its context).
-        tools: OpenAI tool objects the template describes to the model."""
+        tools: OpenAI tool objects the template describes to the model. encode: how text becomes
+        ids (default: the tokenizer's encode without special tokens; the server keeps pieces)."""
         if anchor not in ("none", "prefix"):
             raise ValueError(f"anchor must be 'none' or 'prefix', got {anchor!r}")
         self.tok = tokenizer
         self.anchor = anchor
         self.max_chars = max_chars
         self.tools = tools or None
+        self._encoder = encode
         self.templated = bool(getattr(tokenizer, "chat_template", None))
 
     def _render(self, msgs: list[dict[str, Any]], gen: bool = False) -> str:
@@ -91,6 +94,8 @@ class Planner:
         return self._render([_PROBE], gen=True)[len(self._render([_PROBE])):]
 
     def _encode(self, text: str) -> list[int]:
+        if self._encoder is not None:
+            return self._encoder(text)
         return list(self.tok.encode(text, add_special_tokens=False))
 
     def _tokens(self, parts: list[Node]) -> list[int]:

@@ -41,14 +41,15 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     use = plan_tools(req, ctx.chat_setup)
     tools = use.template_tools() if use is not None else None
     prompt: Prompt
+    tenant = tenant_of(http)
     if is_span_chat(req.messages):
-        prompt = await chat_layout(ctx, req.messages, req.add_generation_prompt, tools)
+        prompt = await chat_layout(ctx, req.messages, req.add_generation_prompt, tools, tenant or "")
     else:
-        prompt = await ctx.render_chat(req.messages, req.add_generation_prompt, tools)
+        prompt = await ctx.render_chat(req.messages, req.add_generation_prompt, tools, tenant or "")
     if use is not None and use.response_format is not None:
         req = req.model_copy(update={"response_format": use.response_format})
     n_top = (req.top_logprobs or 0) if req.logprobs else None
-    sub = await ctx.submit(new_id("chatcmpl"), [prompt], req, req.max_new_tokens, n_top, tenant=tenant_of(http))
+    sub = await ctx.submit(new_id("chatcmpl"), [prompt], req, req.max_new_tokens, n_top, tenant=tenant)
     model = ctx.config.served_model_name
     if req.stream:
         return SSEResponse(_stream(ctx, req, sub, model, use), on_close=sub.abort)

@@ -49,6 +49,7 @@ from spanserve.server.protocol import (
     Usage,
 )
 from spanserve.server.streaming import fan_in
+from spanserve.server.pieces import PieceCache
 from spanserve.server.tokenizers import TokenizerPool, encode, warmed_copy
 from spanserve.toolcall.chat_setup import resolve_chat_setup, template_text
 
@@ -137,6 +138,7 @@ class ServingContext:
         # Read on the event loop only (token texts, the chat template): workers encode with copies.
         self.tokenizer: Any = warmed_copy(tok) if tok is not None else None
         self.tokenizers = TokenizerPool(tok, self.limits.tokenizer_workers) if tok is not None else None
+        self.pieces = PieceCache(self.tokenizer) if tok is not None else None
         self.max_prompt_chars = self.limits.max_prompt_chars or self.max_model_len * (
             chars_per_token(tok) if tok is not None else 1)
         info = engine.info
@@ -198,11 +200,15 @@ class ServingContext:
         self.check_chars(len(prompt), param)
         return list(await self.on_tokenizer(encode, prompt, add_special_tokens))
 
+    def encode_pieces(self, tok: Any, text: str, tenant: str) -> list[int]:
+        """Rendered chat text to ids on a tokenizer worker, reusing the tenant's earlier pieces."""
+        return self.pieces.encode(tok, text, tenant) if self.pieces is not None else encode(tok, text)
+
     async def decode(self, ids: list[int]) -> str:
         return str(await self.on_tokenizer(lambda tok: tok.decode(ids)))
 
     async def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
-                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+                          tools: list[dict[str, Any]] | None = None, tenant: str = "") -> list[int]:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", code="no_chat_template")
@@ -217,7 +223,7 @@ class ServingContext:
                 raise bad_request(f"the chat template rejected these messages: {e}", param="messages") from e
             # Tool calls and names reach the template too: bound what it made, not only the contents.
             self.check_chars(len(text), "messages", "the rendered conversation")
-            return encode(tok, text)
+            return self.encode_pieces(tok, text, tenant)
 
         return list(await self.on_tokenizer(render))
 

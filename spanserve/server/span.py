@@ -79,7 +79,7 @@ def chat_query(messages: Sequence[ChatMessage]) -> Node:
 
 
 async def chat_layout(ctx: ServingContext, messages: Sequence[ChatMessage], add_generation_prompt: bool,
-                      tools: list[dict[str, Any]] | None = None) -> list[Segment]:
+                      tools: list[dict[str, Any]] | None = None, tenant: str = "") -> list[Segment]:
     """The conversation as a span layout: each plus message (a document a tool returned, say)
     a standalone segment, rendered by the template on its own."""
     tok = ctx.tokenizer
@@ -90,7 +90,9 @@ async def chat_layout(ctx: ServingContext, messages: Sequence[ChatMessage], add_
 
     def plan(tok: Any) -> list[Segment]:
         try:
-            return Planner(tok, max_chars=ctx.max_prompt_chars, tools=tools).layout(query, add_generation_prompt)
+            planner = Planner(tok, max_chars=ctx.max_prompt_chars, tools=tools,
+                              encode=lambda text: ctx.encode_pieces(tok, text, tenant))
+            return planner.layout(query, add_generation_prompt)
         except PromptTooLong as e:
             raise bad_request(str(e), param="messages", code="context_length_exceeded") from e
         except Exception as e:  # templates raise on conversations they reject (role order etc.)
