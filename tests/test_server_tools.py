@@ -166,6 +166,12 @@ def test_bad_tool_input_names_the_field(served: tuple[str, OpenAI]) -> None:
     assert _bad(client, messages=user, tools=[{"type": "function", "function": {"name": "bad name"}}])["param"] == \
         "tools.0.function.name"
     assert _bad(client, messages=user, tool_choice="required")["param"] == "tool_choice"
+    # 128 tools of 2000 patterned properties each: refused by size before any schema is checked
+    # (checking them against the metaschema took 51 s of the event loop)
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,9}"} for i in range(2000)}}
+    err = _bad(client, messages=user, tool_choice="required",
+               tools=[{"type": "function", "function": {"name": f"f{k}", "parameters": wide}} for k in range(128)])
+    assert err["param"] == "tools" and "bytes of JSON" in err["message"]
     err = _bad(client, messages=user, tools=TOOLS, response_format={"type": "json_object"})
     assert err["param"] == "response_format"
     # nothing leaked: the server still answers

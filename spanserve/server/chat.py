@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: the model's chat template, n samples, SSE streaming."""
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 from starlette.requests import Request as HTTPRequest
@@ -38,7 +39,9 @@ def _logprobs(ctx: ServingContext, entries: Sequence[TokenLogprobs | None]) -> C
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, http: HTTPRequest) -> Response:
     ctx.check_model(req.model)
-    use = plan_tools(req, ctx.chat_setup)
+    # Off the event loop: checking schemas against their metaschema is Python work.
+    use = await asyncio.get_running_loop().run_in_executor(None, plan_tools, req, ctx.chat_setup,
+                                                           ctx.limits.max_schema_bytes)
     tools = use.template_tools() if use is not None else None
     prompt: Prompt
     tenant = tenant_of(http)

@@ -8,6 +8,7 @@ carries arguments valid against its schema.
 """
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,11 +39,12 @@ class ToolUse:
         return [t.as_template_dict() for t in self.tools]
 
 
-def plan_tools(req: ChatCompletionRequest, setup: ChatSetup) -> ToolUse | None:
-    """The request's tool use, None without tools; APIError 400 naming the field otherwise."""
+def plan_tools(req: ChatCompletionRequest, setup: ChatSetup, max_schema_bytes: int) -> ToolUse | None:
+    """The request's tool use, None without tools; APIError 400 naming the field otherwise.
+    Blocking (schemas are checked against their metaschema): call it off the event loop."""
     try:
         check_history([m.as_template_dict() for m in req.messages])
-        tools = parse_tools(_tool_dicts(req.tools or []))
+        tools = parse_tools(_tool_dicts(req.tools or [], max_schema_bytes))
         choice = parse_tool_choice(req.tool_choice, tools)
     except ToolError as e:
         raise bad_request(str(e), param=e.param, code="invalid_tools") from None
@@ -65,10 +67,17 @@ def plan_tools(req: ChatCompletionRequest, setup: ChatSetup) -> ToolUse | None:
     return ToolUse(tools, choice, get_parser(setup.parser), grammar)
 
 
-def _tool_dicts(tools: Sequence[Any]) -> list[dict[str, Any]]:
+def _tool_dicts(tools: Sequence[Any], max_bytes: int) -> list[dict[str, Any]]:
+    """The tools, their size bounded before any schema is checked: their schemas all become one
+    grammar, which gets response_format's bound on schema size."""
+    size = 0
     for i, t in enumerate(tools):
         if not isinstance(t, dict):
             raise ToolError(f"tools.{i} must be an object, got {type(t).__name__}", f"tools.{i}")
+        size += len(json.dumps(t, separators=(",", ":")).encode())
+        if size > max_bytes:
+            raise ToolError(f"tools: the tool definitions pass {max_bytes} bytes of JSON at tools.{i}; "
+                            f"declare fewer or smaller tools", "tools")
     return list(tools)
 
 
