@@ -130,3 +130,17 @@ def test_call_without_arguments_gets_an_empty_object_and_malformed_calls_stop() 
     # a call cut by max_tokens keeps what was written
     cut = get_parser("mistral").parse('[TOOL_CALLS][{"name": "f", "arguments": {"q": "ab')
     assert cut.calls[0].name == "f" and cut.calls[0].arguments == '{"q": "ab'
+
+
+def test_a_long_call_streams_in_few_parses() -> None:
+    """A call of 25k characters fed 5 at a time: the deltas still add up to the whole parse, and
+    the text is parsed again only as it grows by an eighth (not once per feed)."""
+    args = {"text": "word " * 4000, "items": list(range(1000))}
+    text = "Sure.<tool_call>\n" + json.dumps({"name": "f", "arguments": args}) + "\n</tool_call>"
+    parser = get_parser("hermes")
+    stream = ToolStream(parser)
+    deltas = [stream.feed(text[:n], final=False) for n in range(5, len(text), 5)]
+    deltas.append(stream.feed(text, final=True))
+    assert _concat(deltas) == parser.parse(text)
+    assert json.loads(parser.parse(text).calls[0].arguments) == args
+    assert len(deltas) > 4000 and stream.parses < 1000
