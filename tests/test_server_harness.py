@@ -97,9 +97,18 @@ def run_server(model: str | None, log_dir: Path, *extra: str, timeout: float = 1
     process of its own unless `extra` says --no-engine-process; yields once /health answers, stops
     it and every process it started on exit."""
     port = free_port()
-    log = log_dir / f"server-{port}.log"
     model_args = ["--model", model] if model is not None else []
     cmd = [sys.executable, "-m", "spanserve.cli", "serve", *model_args, "--port", str(port), *extra]
+    with run_process(cmd, port, log_dir / f"server-{port}.log", timeout) as server:
+        if "--no-engine-process" not in extra:  # every server test goes through the process boundary
+            core_pid(server)
+        yield server
+
+
+@contextmanager
+def run_process(cmd: list[str], port: int, log: Path, timeout: float = 120.0) -> Iterator[ServerProcess]:
+    """A server command serving on `port`, its output in `log`: yields once /health answers,
+    stops it and every process it started on exit."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log, "wb") as fh:  # a session of its own: its processes (core, API servers) are one group
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
@@ -109,16 +118,11 @@ def run_server(model: str | None, log_dir: Path, *extra: str, timeout: float = 1
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log_text()}")
-            try:
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+            if healthy(server):
+                break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server did not come up in {timeout} s:\n{server.log_text()}")
             time.sleep(0.2)
-        if "--no-engine-process" not in extra:  # every server test goes through the process boundary
-            core_pid(server)
         yield server
     finally:
         _signal_group(proc.pid, signal.SIGCONT)  # a test may have stopped a process of it
@@ -129,6 +133,13 @@ def run_server(model: str | None, log_dir: Path, *extra: str, timeout: float = 1
             proc.kill()
             proc.wait()
         _signal_group(proc.pid, signal.SIGKILL)  # whatever outlived the server
+
+
+def healthy(server: ServerProcess) -> bool:
+    try:
+        return httpx.get(f"{server.url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _signal_group(pgid: int, sig: int) -> None:

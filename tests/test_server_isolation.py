@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import select
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from test_server_harness import ROOT, ServerProcess, build_tiny_model, free_port
+from test_server_harness import ServerProcess, build_tiny_model, free_port, healthy, run_process
 
 PROMPT_CHARS = 3_000_000  # the server's bound: a 10 MB prompt is refused, a 2.5 MB one is tokenized
 GRAMMAR_TIMEOUT_S = 8.0
@@ -41,32 +40,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("isolation")
     model = build_tiny_model(tmp / "tiny")
     port = free_port()
-    log = tmp / "server.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-c", SERVE, str(model), str(port)], stdout=fh,
-                                stderr=subprocess.STDOUT, cwd=ROOT)
-    server = ServerProcess(proc, port, log)
-    try:
-        deadline = time.monotonic() + 180
-        while not _healthy(server):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not come up:\n{server.log_text()}")
-            time.sleep(0.2)
-        yield server
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _healthy(server: ServerProcess) -> bool:
-    try:
-        return httpx.get(f"{server.url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    with run_process([sys.executable, "-c", SERVE, str(model), str(port)], port, tmp / "server.log", 180) as srv:
+        yield srv
 
 
 def post(server: ServerProcess, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -122,4 +97,4 @@ def test_a_chunked_body_is_refused_before_it_has_all_arrived(server: ServerProce
     status, sent = chunked_upload(server.port, 300)
     assert status == 413
     assert sent < 300  # answered while the client was still sending
-    assert _healthy(server)
+    assert healthy(server)
