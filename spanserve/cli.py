@@ -5,6 +5,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from spanserve.toolcall.chat_setup import PARSER_NAMES
+
 if TYPE_CHECKING:
     from spanserve.engine.config import EngineConfig
     from spanserve.server.limits import RequestLimits
@@ -165,7 +167,7 @@ def _chat_args(s: argparse.ArgumentParser) -> None:
                    help="render chats with a shipped template (hermes, llama3_json, mistral), a Jinja file or "
                         "the template itself (default: the model's own)")
     t.add_argument("--tool-call-parser", default="auto",
-                   choices=["auto", "hermes", "llama3_json", "mistral", "none"],
+                   choices=["auto", *PARSER_NAMES, "none"],
                    help="the format the model writes tool calls in (default auto: recognised from the chat "
                         "template; none: requests with tools get 400 unless tool_choice is none)")
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from spanserve.server.errors import APIError, bad_request
-from spanserve.server.messages import (ChatMessage, DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall)
+from spanserve.server.messages import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from spanserve.server.protocol import AssistantMessage, ChatCompletionRequest
 from spanserve.toolcall.chat_setup import PARSER_NAMES, ChatSetup
 from spanserve.toolcall.grammar import tool_grammar
@@ -103,7 +103,6 @@ class ToolDeltas:
 
     stream: ToolStream
     text: str = ""
-    ids: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, use: ToolUse | None) -> ToolDeltas | None:
@@ -114,9 +113,8 @@ class ToolDeltas:
         delta: StreamDelta = self.stream.feed(self.text, final)
         calls = []
         for c in delta.calls:
-            if c.name is not None:
-                self.ids[c.index] = call_id()
-                calls.append(DeltaToolCall(index=c.index, id=self.ids[c.index], type="function",
+            if c.name is not None:  # a call's first delta: its id is made here
+                calls.append(DeltaToolCall(index=c.index, id=call_id(), type="function",
                                            function=DeltaFunctionCall(name=c.name, arguments=c.arguments)))
             elif c.arguments:
                 calls.append(DeltaToolCall(index=c.index, function=DeltaFunctionCall(arguments=c.arguments)))
@@ -124,7 +122,3 @@ class ToolDeltas:
 
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if self.stream.called and reason == "stop" else reason
-
-
-def has_tool_history(messages: Sequence[ChatMessage]) -> bool:
-    return any(m.role == "tool" or m.tool_calls for m in messages)

@@ -14,7 +14,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-PARSER_NAMES = ("hermes", "llama3_json", "mistral")
+from spanserve.toolcall.parsers import PARSERS
+
+PARSER_NAMES = tuple(PARSERS)
 BUILTIN_TEMPLATES = PARSER_NAMES
 
 
