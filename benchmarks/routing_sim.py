@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import format_table, save_figure, write_json
+from common import ROOT, format_table, save_figure, write_json
 from spanserve.cache.block_pool import BlockPool
 from spanserve.cache.claim import Admission, Piece
 from spanserve.cache.manager import CacheManager
@@ -181,7 +181,7 @@ def plot(results: list[dict], title: str, name: str) -> str:
     fig.suptitle(title, fontsize=9)
     path = save_figure(fig, name)
     plt.close(fig)
-    return str(path)
+    return str(path.relative_to(ROOT))  # no machine paths in results
 
 
 def main(argv: list[str] | None = None) -> None:

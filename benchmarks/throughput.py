@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import format_table, median, random_tokens, rotated, save_figure, set_threads, timed, write_json
+from common import ROOT, format_table, median, random_tokens, rotated, save_figure, set_threads, timed, write_json
 
 from spanserve.engine.params import SamplingParams
 from spanserve.llm import LLM
@@ -140,7 +140,7 @@ def plot(medians: dict[str, float], title: str, name: str) -> str:
     ax.set_title(title, fontsize=9)
     path = save_figure(fig, name)
     plt.close(fig)
-    return str(path)
+    return str(path.relative_to(ROOT))  # no machine paths in results
 
 
 def run_rounds(runner: Runner, prompts: list[list[int]], args: argparse.Namespace

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common import format_table, save_figure, write_json
+from common import ROOT, format_table, save_figure, write_json
 from common.traces import zipf_trace
 from spanserve.cache import hashing
 from spanserve.cache.block_pool import Block, BlockPool
@@ -135,7 +135,7 @@ def plot(results: list[dict], alphas: list[float], title: str, name: str) -> str
     fig.suptitle(title, fontsize=9)
     path = save_figure(fig, name)
     plt.close(fig)
-    return str(path)
+    return str(path.relative_to(ROOT))  # no machine paths in results
 
 
 def main(argv: list[str] | None = None) -> None:
