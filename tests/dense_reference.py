@@ -29,9 +29,10 @@ class Dense:
         half = x.shape[-1] // 2
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
-    def layer(self, i, h, pos, mask, override=None):
+    def layer(self, i, h, pos, mask, override=None, repair=None):
         """Decoder layer i over hidden states h [N, hidden] at positions pos with mask [N, N].
-        override(k, v) may replace K/V (before RoPE) ahead of attention.
+        override(k, v) may replace K/V (before RoPE) ahead of attention. repair: (changed [N, N]
+        bool, temperature, log_scale): those scores s become s / temperature + log_scale.
         Returns (h, k, v, probs [H, N, N])."""
         c, w = self.c, self.w
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
@@ -49,6 +50,9 @@ class Dense:
         kr = self._rope(k, pos).repeat_interleave(H // KVH, dim=1)
         vv = v.repeat_interleave(H // KVH, dim=1)
         scores = torch.einsum("qhd,khd->hqk", self._rope(q, pos), kr) / D ** 0.5
+        if repair is not None:
+            changed, temperature, log_scale = repair
+            scores = torch.where(changed[None], scores / temperature + log_scale, scores)
         probs = scores.masked_fill(~mask[None], float("-inf")).softmax(-1)
         o = torch.einsum("hqk,khd->qhd", probs, vv).reshape(N, H * D)
         h = h + F.linear(o, w[a + "o_proj.weight"])
@@ -57,9 +61,10 @@ class Dense:
                          w[p + "mlp.down_proj.weight"])
         return h, k, v, probs
 
-    def forward(self, tokens, positions, mask, fixed=None):
+    def forward(self, tokens, positions, mask, fixed=None, repair=None):
         """tokens/positions [N]; mask [N, N] bool (query row sees key column); fixed: layer ->
-        (k_raw [N, KVH, D] before RoPE, v, which [N] bool) overriding those positions' K/V.
+        (k_raw [N, KVH, D] before RoPE, v, which [N] bool) overriding those positions' K/V;
+        repair: as `layer` takes it, in every layer.
         Returns (final hidden [N, hidden], per-layer (k_raw, v))."""
         h = self.w["model.embed_tokens.weight"][torch.tensor(tokens)]
         pos = torch.tensor(positions)
@@ -71,7 +76,7 @@ class Dense:
 
                 def override(k, v, fk=fk, fv=fv, which=which):
                     return torch.where(which[:, None, None], fk, k), torch.where(which[:, None, None], fv, v)
-            h, k, v, _ = self.layer(i, h, pos, mask, override)
+            h, k, v, _ = self.layer(i, h, pos, mask, override, repair)
             kvs.append((k, v))
         return self._norm(h, self.w["model.norm.weight"]), kvs
 
@@ -79,8 +84,10 @@ class Dense:
         head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
         return F.linear(hidden, head)
 
-    def span_logits(self, pieces: list[Piece], generated: list[int] = ()) -> torch.Tensor:
-        """Logits of the last token of prompt + generated under span semantics."""
+    def span_logits(self, pieces: list[Piece], generated: list[int] = (), temperature: float = 1.0,
+                    log_scale: float = 0.0) -> torch.Tensor:
+        """Logits of the last token of prompt + generated under span semantics; temperature and
+        log_scale: the repair of the plus pieces' scores read by tokens after them."""
         tokens = [t for p in pieces for t in p.tokens] + list(generated)
         N = len(tokens)
         causal = torch.ones(N, N, dtype=torch.bool).tril()
@@ -98,10 +105,23 @@ class Dense:
                 fk[i][p.start:p.end] = k[a:]
                 fv[i][p.start:p.end] = v[a:]
             which[p.start:p.end] = True
-        hidden, _ = self.forward(tokens, list(range(N)), causal, [(fk[i], fv[i], which) for i in range(c.num_layers)])
+        hidden, _ = self.forward(tokens, list(range(N)), causal, [(fk[i], fv[i], which) for i in range(c.num_layers)],
+                                 repaired(pieces, N, temperature, log_scale))
         return self.logits(hidden[-1])
 
 
+
+
+def repaired(pieces: list[Piece], N: int, temperature: float, log_scale: float):
+    """The repair as `Dense.layer` takes it: the scores of each plus piece's keys read by queries at
+    or after the piece's end (None when the values change nothing)."""
+    if temperature == 1.0 and log_scale == 0.0:
+        return None
+    changed = torch.zeros(N, N, dtype=torch.bool)
+    for p in pieces:
+        if p.kind == "plus":
+            changed[p.end:, p.start:p.end] = True
+    return changed, temperature, log_scale
 
 
 def policy_logits(dense: Dense, pieces: list[Piece], policy, block_size: int, observe=None) -> torch.Tensor:
@@ -134,13 +154,14 @@ def policy_logits(dense: Dense, pieces: list[Piece], policy, block_size: int, ob
     recomputed = reused.clone()  # reused tokens recomputed at the current layer
     pos = torch.arange(N)
     causal = torch.ones(N, N, dtype=torch.bool).tril()
+    repair = repaired(pieces, N, policy.temperature, policy.log_scale)
     h = w["model.embed_tokens.weight"][torch.tensor(tokens)]
     for i in range(c.num_layers):
         stale = reused & ~recomputed
 
         def override(k, v, i=i, stale=stale):
             return torch.where(stale[:, None, None], fk[i], k), torch.where(stale[:, None, None], fv[i], v)
-        h, k, v, probs = dense.layer(i, h, pos, causal, override)
+        h, k, v, probs = dense.layer(i, h, pos, causal, override, repair)
         if observe is not None:
             observe(i, probs, k, v, recomputed & reused, reused, (fk[i], fv[i]))
         if i == decision:

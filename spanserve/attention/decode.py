@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from spanserve.attention.plan import Repair
+
 
 @dataclass
 class DecodeRows:
@@ -17,6 +19,7 @@ class DecodeRows:
     pos: list[int]
     slots: list[np.ndarray]  # int64, at least pos[b] + 1 each
     deltas: list[np.ndarray | None]
+    repairs: list[Repair | None] | None = None  # None: no row has one
 
     def __len__(self) -> int:
         return len(self.pos)

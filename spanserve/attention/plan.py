@@ -8,6 +8,34 @@ import numpy as np
 import torch
 
 
+NEVER = 2**31 - 1  # a key end no query position reaches: the key is read as it is
+
+
+class Repair(NamedTuple):
+    """How a row's later tokens read the reused segments it holds (parallel encoding repaired in
+    attention, after APE, arXiv 2502.05431): a key in [starts[i], ends[i]) (a plus segment, in the
+    row's positions) read by a query at position t >= ends[i] scores s / temperature + log_scale
+    instead of s (s = q.k / sqrt(D)); queries inside the segment read it as it is. temperature 1 and
+    log_scale 0 change nothing."""
+
+    starts: np.ndarray  # int64
+    ends: np.ndarray
+    temperature: float
+    log_scale: float
+
+    def key_ends(self, n: int) -> np.ndarray:
+        """int32 [n]: each key's segment end, NEVER for keys in no segment."""
+        out = np.full(n, NEVER, dtype=np.int32)
+        for s, e in zip(self.starts.tolist(), self.ends.tolist()):
+            out[s:min(e, n)] = e
+        return out
+
+    def applies(self, q_pos: torch.Tensor, n: int) -> torch.Tensor:
+        """Boolean [nq, n]: which (query, key) scores the repair changes."""
+        ends = torch.from_numpy(self.key_ends(n).astype(np.int64)).to(q_pos.device)
+        return q_pos[:, None] >= ends[None, :]
+
+
 class HostRow(NamedTuple):
     """A row's arrays as numpy, when the plan was built on the host: a backend that preprocesses
     on the host reads these rather than copying the device tensors back (a sync per step)."""
@@ -17,6 +45,7 @@ class HostRow(NamedTuple):
     key_delta: np.ndarray | None
     anchor_end: np.ndarray | None
     seg_start: np.ndarray | None
+    repair: Repair | None = None
 
 
 @dataclass
@@ -36,6 +65,7 @@ class Row:
     anchor_end: torch.Tensor | None = None  # [nq] long
     seg_start: torch.Tensor | None = None  # [nq] long
     host: HostRow | None = None  # the same arrays on the host, if the plan has them
+    repair: Repair | None = None  # how its later tokens read its plus segments (None: as they are)
 
     @property
     def num_queries(self) -> int:
@@ -75,5 +105,5 @@ class AttentionPlan:
             local = idx[a:b] - r.q_start
             rows.append(Row(a, b, r.q_pos[local], r.key_slots, r.key_delta,
                             None if r.anchor_end is None else r.anchor_end[local],
-                            None if r.seg_start is None else r.seg_start[local]))
+                            None if r.seg_start is None else r.seg_start[local], repair=r.repair))
         return AttentionPlan(rows, self.positions[idx], self.write_slots[idx])

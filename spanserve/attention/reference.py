@@ -23,6 +23,9 @@ class _Group:
     mask: torch.Tensor  # [B, nq, N] bool
     cos: torch.Tensor | None  # [B, N, D] rotation of cached keys by their entry's delta
     sin: torch.Tensor | None
+    # rows with a Repair: which scores it changes [B, nq, N], and each row's 1 / temperature and
+    # log_scale [B] (1 and 0 for rows without one)
+    repair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -50,7 +53,15 @@ class ReferenceBackend(AttentionBackend):
         mask = torch.zeros(B, nq, N, dtype=torch.bool, device=dev)
         deltas = torch.zeros(B, N, dtype=torch.long, device=dev)
         any_delta = False
+        repaired = [b for b, r in enumerate(rows) if r.repair is not None]
+        if repaired:
+            changed = torch.zeros(B, nq, N, dtype=torch.bool, device=dev)
+            inv_t = torch.ones(B, dtype=torch.float32, device=dev)
+            log_s = torch.zeros(B, dtype=torch.float32, device=dev)
         for b, r in enumerate(rows):
+            if r.repair is not None:
+                changed[b, : r.num_queries, : r.num_keys] = r.repair.applies(r.q_pos, r.num_keys)
+                inv_t[b], log_s[b] = 1.0 / r.repair.temperature, r.repair.log_scale
             q_index[b, : r.num_queries] = torch.arange(r.q_start, r.q_end, device=dev)
             q_valid[b, : r.num_queries] = True
             slots[b, : r.num_keys] = r.key_slots
@@ -64,7 +75,7 @@ class ReferenceBackend(AttentionBackend):
         if any_delta:
             cos, sin = rotary.cos_sin(deltas.flatten(), torch.float32)
             cos, sin = cos.view(B, N, -1), sin.view(B, N, -1)
-        return _Group(q_index, q_valid, slots, mask, cos, sin)
+        return _Group(q_index, q_valid, slots, mask, cos, sin, (changed, inv_t, log_s) if repaired else None)
 
     def write(self, prepared: _Prepared, k, v, k_cache, v_cache) -> None:
         KVH, D = k.shape[1:]
@@ -88,7 +99,23 @@ class ReferenceBackend(AttentionBackend):
             # GQA without copying K/V: fold the query heads sharing a KV head into the query axis.
             qs = q[grp.q_index].view(B, nq, KVH, g, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, g * nq, D)
             mask = grp.mask[:, None, None].expand(B, 1, g, nq, -1).reshape(B, 1, g * nq, -1)
-            o = F.scaled_dot_product_attention(qs, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask)
+            if grp.repair is None:
+                o = F.scaled_dot_product_attention(qs, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask)
+            else:
+                o = _repaired(qs, keys.transpose(1, 2), vals.transpose(1, 2), mask, grp.repair, g)
             o = o.view(B, KVH, g, nq, D).permute(0, 3, 1, 2, 4).reshape(B, nq, H * D)
             out[grp.q_index[grp.q_valid]] = o[grp.q_valid]
         return out
+
+
+def _repaired(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              repair: tuple[torch.Tensor, torch.Tensor, torch.Tensor], g: int) -> torch.Tensor:
+    """Attention of q [B, KVH, g*nq, D] over k, v [B, KVH, N, D] with the rows' repaired scores
+    (plan.Repair), in float32: what SDPA computes when nothing is changed."""
+    B, _, M, D = q.shape
+    changed, inv_t, log_s = repair
+    changed = changed[:, None, None].expand(B, 1, g, M // g, -1).reshape(B, 1, M, -1)
+    s = torch.einsum("bhmd,bhnd->bhmn", q.float(), k.float()) / D ** 0.5
+    s = torch.where(changed, s * inv_t[:, None, None, None] + log_s[:, None, None, None], s)
+    p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.einsum("bhmn,bhnd->bhmd", p, v.float()).to(q.dtype)

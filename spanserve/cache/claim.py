@@ -49,6 +49,7 @@ class Task:
     recompute: Any = None  # reuse.recompute.RecomputeSpec: a policy recomputes reused tokens
     anchor_end: int | None = None  # plus-segment mask form; None = causal
     seg_start: int | None = None
+    repair: Any = None  # attention.plan.Repair: how later tokens read the row's plus segments
     _slots: Any = field(default=None, repr=False)  # a buffer with room to grow; `slots` is its first _n
     _n: int = field(default=0, repr=False)
     _own_table: bool = field(default=False, repr=False)  # entries is this task's alone (others share admission's)

@@ -8,9 +8,11 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from spanserve.attention.plan import Repair
 from spanserve.cache import hashing
 from spanserve.cache.block_pool import Block, BlockPool
 from spanserve.cache.claim import Admission, Task
@@ -218,7 +220,8 @@ class CacheManager:
             src_delta = [u.delta for u in sources for _ in u.tokens]
             offsets = [p for u in sources for p in range(len(u.tokens))]
             spec = RecomputeSpec(adm.policy, reused, src_slots, src_delta, offsets)
-        tasks.append(Task(tokens, entries, main_todo, bs, sample=not adm.encode_only, main=True, recompute=spec))
+        tasks.append(Task(tokens, entries, main_todo, bs, sample=not adm.encode_only, main=True, recompute=spec,
+                          repair=_repair(adm.policy, units)))
         return tasks
 
     @staticmethod
@@ -360,3 +363,15 @@ class CacheManager:
         req.tasks = []
         req.units = []
         req.sources = []
+
+
+def _repair(policy: Any, units: list[Unit]) -> Repair | None:
+    """The main row's repair: its plus segments (reused or recomputed from a shared copy), read by
+    later tokens with the policy's temperature and log scale."""
+    if policy is None or not policy.repairs:
+        return None
+    plus = [(u.start, u.start + len(u.tokens)) for u in units if u.plus or u.source is not None]
+    if not plus:
+        return None
+    starts, ends = (np.array(x, dtype=np.int64) for x in zip(*plus))
+    return Repair(starts, ends, float(policy.temperature), float(policy.log_scale))

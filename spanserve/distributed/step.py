@@ -69,11 +69,11 @@ def pack(step: StepInput) -> StepInput:
     if step.decode is not None:
         d = step.decode
         dec = DecodeRows(list(d.ids), list(d.pos), [Runs.of(s[:p + 1], 1) for s, p in zip(d.slots, d.pos)],
-                         [None if x is None else Runs.of(x[:p + 1], 0) for x, p in zip(d.deltas, d.pos)])
+                         [None if x is None else Runs.of(x[:p + 1], 0) for x, p in zip(d.deltas, d.pos)], d.repairs)
         return dataclasses.replace(step, decode=dec)
     hp = step.host
     assert hp is not None
-    rows = [HostRow(r.q_pos, Runs.of(r.key_slots, 1), _pack_opt(r.key_delta, 0), r.anchor_end, r.seg_start)
+    rows = [HostRow(r.q_pos, Runs.of(r.key_slots, 1), _pack_opt(r.key_delta, 0), r.anchor_end, r.seg_start, r.repair)
             for r in hp.rows]
     return dataclasses.replace(step, host=HostPlan(hp.ids, hp.positions, hp.write_slots, rows))
 
@@ -82,9 +82,9 @@ def unpack(step: StepInput) -> StepInput:
     if step.decode is not None:
         d = step.decode
         return dataclasses.replace(step, decode=DecodeRows(d.ids, d.pos, [s.array() for s in d.slots],
-                                                           [_unpack_opt(x) for x in d.deltas]))
+                                                           [_unpack_opt(x) for x in d.deltas], d.repairs))
     hp = step.host
     assert hp is not None
-    rows = [HostRow(r.q_pos, r.key_slots.array(), _unpack_opt(r.key_delta), r.anchor_end, r.seg_start)
+    rows = [HostRow(r.q_pos, r.key_slots.array(), _unpack_opt(r.key_delta), r.anchor_end, r.seg_start, r.repair)
             for r in hp.rows]
     return dataclasses.replace(step, host=HostPlan(hp.ids, hp.positions, hp.write_slots, rows))

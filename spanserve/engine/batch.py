@@ -32,7 +32,7 @@ def host_plan(chunks: list[Chunk]) -> tuple[HostPlan, list[int]]:
         writes.append(slots[pos])
         rows.append(HostRow(pos, slots[:n_keys], None if deltas is None else deltas[:n_keys],
                             None if t.anchor_end is None else np.full(nq, t.anchor_end, dtype=np.int64),
-                            None if t.seg_start is None else np.full(nq, t.seg_start, dtype=np.int64)))
+                            None if t.seg_start is None else np.full(nq, t.seg_start, dtype=np.int64), t.repair))
         sample_at.append(start + nq - 1 if t.sample and c.positions[-1] == len(t.tokens) - 1 else -1)
         start += nq
     flat_ids = np.concatenate([np.asarray(x, dtype=np.int64) for x in ids])
@@ -42,7 +42,7 @@ def host_plan(chunks: list[Chunk]) -> tuple[HostPlan, list[int]]:
 def decode_rows(chunks: list[Chunk]) -> tuple[DecodeRows, list[int]] | None:
     """The step as host arrays when every chunk is one causal query with nothing to recompute
     (what a decode graph replays), with host_plan's sample_at; None for any other step."""
-    ids, pos, slots, deltas, sample_at = [], [], [], [], []
+    ids, pos, slots, deltas, sample_at, repairs = [], [], [], [], [], []
     for b, c in enumerate(chunks):
         t = c.task
         if len(c.positions) != 1 or c.recompute is not None or t.anchor_end is not None or t.seg_start is not None:
@@ -52,8 +52,9 @@ def decode_rows(chunks: list[Chunk]) -> tuple[DecodeRows, list[int]] | None:
         pos.append(p)
         slots.append(t.slots)
         deltas.append(t.deltas)
+        repairs.append(t.repair)
         sample_at.append(b if t.sample and p == len(t.tokens) - 1 else -1)
-    return DecodeRows(ids, pos, slots, deltas), sample_at
+    return DecodeRows(ids, pos, slots, deltas, repairs if any(r is not None for r in repairs) else None), sample_at
 
 
 def prepare(chunks: list[Chunk], graphs: GraphLimits | None, eager: bool = False) -> StepInput:

@@ -7,12 +7,32 @@ only the kept ones and the non-reused ones are computed, and the others read the
 `sink_tokens=k` (every selective policy) also keeps the first k tokens of every reused segment
 (EPIC's link tokens): a segment encoded alone makes its first token an attention sink, and a
 sink left in the middle of the context draws the attention that `full` gives to real content.
-The kept sinks count against the policy's budget."""
+The kept sinks count against the policy's budget.
+
+`temperature` and `log_scale` (every policy but `full`) repair parallel encoding inside attention,
+recomputing nothing (after APE, arXiv 2502.05431): a key of a reused segment read by a later token
+scores s / temperature + log_scale instead of s (`attention.plan.Repair`). Names ending in
+`+repair` give a policy the measured values (REPAIR)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields, replace
 
 import torch
+
+
+_REPAIR_FIELDS = ("temperature", "log_scale")
+
+
+def _check_repair(p: "Policy") -> None:
+    t, s = p.temperature, p.log_scale
+    if not (isinstance(t, (int, float)) and math.isfinite(t) and 0.05 <= t <= 20):
+        raise ValueError(f"temperature must be a number in [0.05, 20] (1 = unchanged), got {t!r}")
+    if not (isinstance(s, (int, float)) and math.isfinite(s) and -20 <= s <= 20):
+        raise ValueError(f"log_scale must be a number in [-20, 20] (0 = unchanged), got {s!r}")
+    if p.name == "full" and p.repairs:
+        raise ValueError("the full policy reads everything causally: it has no reused segments to repair; "
+                         "drop temperature and log_scale, or use another policy")
 
 
 @dataclass(frozen=True)
@@ -22,15 +42,27 @@ class Policy:
 
     name: str = "none"
     sink_tokens: int = 0
+    temperature: float = 1.0  # of reused segments' scores read by later tokens
+    log_scale: float = 0.0  # added to those scores
+
+    def __post_init__(self) -> None:
+        _check_repair(self)
 
     @property
     def selective(self) -> bool:
         return False
 
     @property
+    def repairs(self) -> bool:
+        """Whether later tokens read reused segments with changed scores."""
+        return self.temperature != 1.0 or self.log_scale != 0.0
+
+    @property
     def key(self) -> str:
-        """Enters the request's chain seed: different parameters give different KV."""
-        return repr(self)
+        """Enters the request's chain seed: different parameters give different KV. The repair's
+        fields appear only when they change something, so unrepaired keys stay as they were."""
+        shown = [f for f in fields(self) if f.repr and (self.repairs or f.name not in _REPAIR_FIELDS)]
+        return f"{type(self).__name__}({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
 
 NONE = Policy("none")
@@ -53,6 +85,7 @@ class CacheBlend(Policy):
 
     def __post_init__(self) -> None:
         _check_sinks(self.sink_tokens)
+        _check_repair(self)
         if not 0 <= self.ratio <= 1:
             raise ValueError(f"CacheBlend ratio must be in [0, 1], got {self.ratio}")
         if self.check_layer is not None and self.check_layer < 1:
@@ -97,6 +130,7 @@ class SparseQ(Policy):
 
     def __post_init__(self) -> None:
         _check_sinks(self.sink_tokens)
+        _check_repair(self)
         if self.k is None and (self.budget is None or not 0 <= self.budget <= 1):
             raise ValueError(f"SparseQ needs budget in [0, 1] or k >= 0, got budget={self.budget}")
         if self.k is not None and self.k < 0:
@@ -150,6 +184,7 @@ class Sinks(Policy):
 
     def __post_init__(self) -> None:
         _check_sinks(self.sink_tokens)
+        _check_repair(self)
 
     @property
     def selective(self) -> bool:
@@ -187,7 +222,12 @@ def top_with_sinks(scores: torch.Tensor, sinks: torch.Tensor, total: int) -> tor
     return pick.nonzero().flatten()
 
 
+# The repair's values, tuned on the quality benchmark's tuning split (benchmarks/quality.py --tune).
+REPAIR = {"temperature": 1.0, "log_scale": 0.0}
+
 _BY_NAME = {"none": NONE, "full": FULL, "cacheblend": CacheBlend(), "sparseq": SparseQ(), "sinks": Sinks()}
+_BY_NAME.update({f"{n}+repair": replace(p, name=f"{n}+repair", **REPAIR)
+                 for n, p in list(_BY_NAME.items()) if n != "full"})
 
 
 def resolve_policy(policy: "str | Policy | None", default: Policy = NONE) -> Policy:

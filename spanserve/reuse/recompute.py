@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from spanserve.attention.plan import Repair
 from spanserve.rope import Rotary, apply_rotary
 from spanserve.reuse.policies import CacheBlend, Policy, Sinks, SparseQ
 
@@ -38,6 +39,7 @@ class RecomputeRow:
     offsets: torch.Tensor | None = None  # [n_reused] place of each of the chunk's reused tokens in its segment
     selected: torch.Tensor | None = None  # indices into the reused tokens, once decided
     stats: dict = field(default_factory=dict)
+    repair: Repair | None = None  # the row's: SparseQ scores keys by the attention the queries pay
 
 
 class Recompute:
@@ -121,7 +123,7 @@ class Recompute:
             return pol.select(self.reduce(dk + dv), sinks)
         if isinstance(pol, SparseQ):
             scores = self.reduce(attention_mass(q[~r.is_reused], r.q_pos[~r.is_reused], k_cache, r.key_slots,
-                                                r.key_delta, self.rotary))
+                                                r.key_delta, self.rotary, r.repair))
             reused_mask = torch.zeros(r.key_slots.numel(), dtype=torch.bool, device=q.device)
             reused_mask[r.q_pos[r.is_reused]] = True
             sink_mask = torch.zeros_like(reused_mask)
@@ -132,9 +134,10 @@ class Recompute:
         raise TypeError(f"no selective recomputation for policy {pol!r}")
 
 
-def attention_mass(q, q_pos, k_cache, key_slots, key_delta, rotary: Rotary) -> torch.Tensor:
-    """Softmax attention of queries q [nq, H, D] at q_pos over the row's keys (causal), summed over
-    queries and heads: how much the non-reused tokens read each key [N]."""
+def attention_mass(q, q_pos, k_cache, key_slots, key_delta, rotary: Rotary, repair: Repair | None = None) -> torch.Tensor:
+    """Softmax attention of queries q [nq, H, D] at q_pos over the row's keys (causal, scores
+    repaired as the row's attention repairs them), summed over queries and heads: how much the
+    non-reused tokens read each key [N]."""
     KVH, D = k_cache.shape[2:]
     H = q.shape[1]
     keys = k_cache.view(-1, KVH, D)[key_slots].float()
@@ -143,6 +146,9 @@ def attention_mass(q, q_pos, k_cache, key_slots, key_delta, rotary: Rotary) -> t
         keys = apply_rotary(keys, cos, sin)
     keys = keys.repeat_interleave(H // KVH, dim=1)  # [N, H, D]
     s = torch.einsum("qhd,khd->hqk", q.float(), keys) / D ** 0.5
+    if repair is not None:
+        changed = repair.applies(q_pos, keys.shape[0])[None]
+        s = torch.where(changed, s / repair.temperature + repair.log_scale, s)
     causal = torch.arange(keys.shape[0], device=q.device)[None, :] <= q_pos[:, None]
     p = s.masked_fill(~causal[None], float("-inf")).softmax(-1)
     return p.sum((0, 1))

@@ -47,7 +47,8 @@ def padded(rows: DecodeRows, size: int, scratch_slot: int) -> DecodeRows:
     if n <= 0:
         return rows
     slot = np.array([scratch_slot], dtype=np.int64)
-    return DecodeRows(rows.ids + [0] * n, rows.pos + [0] * n, rows.slots + [slot] * n, rows.deltas + [None] * n)
+    return DecodeRows(rows.ids + [0] * n, rows.pos + [0] * n, rows.slots + [slot] * n, rows.deltas + [None] * n,
+                      None if rows.repairs is None else rows.repairs + [None] * n)
 
 
 class DecodeGraphs:

@@ -38,7 +38,8 @@ def device_plan(hp: HostPlan, device: torch.device) -> tuple[torch.Tensor, Atten
         rows.append(Row(q_start=start, q_end=start + nq, q_pos=q_pos, key_slots=key_slots,
                         key_delta=None if h.key_delta is None else next(views),
                         anchor_end=None if h.anchor_end is None else next(views),
-                        seg_start=None if h.seg_start is None else next(views), host=h))
+                        seg_start=None if h.seg_start is None else next(views), host=h,
+                        repair=h.repair))
         start += nq
     return ids, AttentionPlan(rows, positions, write_slots)
 
@@ -100,6 +101,7 @@ class ModelRunner(Executor):
                 is_reused=torch.tensor(reused, dtype=torch.bool, device=dev),
                 key_slots=row.key_slots, key_delta=row.key_delta, q_pos=row.q_pos,
                 decision_layer=spec.policy.decision_layer(self.model.config.num_layers), offsets=offsets,
+                repair=row.repair,
             ))
         return out
 
