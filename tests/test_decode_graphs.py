@@ -21,6 +21,8 @@ from spanserve.attention.triton.launch import SplitPolicy, build_layout  # noqa:
 from spanserve.cache.claim import Task  # noqa: E402
 from spanserve.cache.table import Entry  # noqa: E402
 from spanserve.attention.decode import DecodeRows  # noqa: E402
+from spanserve.attention.plan import Repair  # noqa: E402
+from spanserve.reuse.policies import Policy  # noqa: E402
 from spanserve.engine.batch import decode_rows, host_plan  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
 from spanserve.engine.layout import Segment  # noqa: E402
@@ -45,8 +47,8 @@ def _prompts(gen: torch.Generator, vocab: int) -> list:
     ]
 
 
-def _run(engine: LLMEngine, prompts: list) -> list[list[int]]:
-    reqs = [engine.add_request(p, SamplingParams(max_tokens=6 + 5 * i, temperature=0, ignore_eos=True))
+def _run(engine: LLMEngine, prompts: list, policy=None) -> list[list[int]]:
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=6 + 5 * i, temperature=0, ignore_eos=True), policy=policy)
             for i, p in enumerate(prompts)]  # different lengths: the batch shrinks as they finish
     while engine.has_unfinished():
         engine.step()
@@ -74,8 +76,26 @@ def test_fixed_buffer_decode_matches_eager_reference(tmp_path, split: int) -> No
     assert graphs.buffers[4].static.capacity > 64
     # warm: the documents come back from the cache at new positions (non-zero deltas in decode)
     assert _run(fixed, prompts[::-1]) == _run(ref, prompts[::-1])
-    ways = {w for b in graphs.buffers.values() for _, w in b.static._layouts}
+    ways = {w for b in graphs.buffers.values() for _, w, _ in b.static._layouts}
     assert ways == {1} if not split else ways >= {1, 2}, ways  # the ways grew with the rows
+
+
+@pytest.mark.parametrize("split", [0, 64])
+def test_fixed_buffer_decode_reads_segments_repaired(tmp_path, split: int) -> None:
+    """Decode rows whose plus segments are read with a temperature and log scale (beside plain
+    rows) take the fixed-buffer path and give the reference backend's tokens, cold and warm."""
+    path, _ = make_tiny_model("llama", tmp_path)
+    prompts = _prompts(torch.Generator().manual_seed(2), 384)
+    policy = Policy("none", temperature=0.4, log_scale=1.5)
+    ref = make_engine(str(path), block_size=8, num_blocks=128, backend=ReferenceBackend())
+    backend = TritonBackend(SMALL, LaunchConfig(16, 8, 4, 1) if split else SMALL, split_programs=split)
+    fixed = make_engine(str(path), block_size=8, num_blocks=128, backend=backend, cuda_graphs="eager")
+    graphs = fixed.executor.graphs
+    want = _run(ref, prompts, policy)
+    assert want != _run(make_engine(str(path), block_size=8, num_blocks=128, backend=ReferenceBackend()), prompts)
+    assert _run(fixed, prompts, policy) == want
+    assert _run(fixed, prompts[::-1], policy) == _run(ref, prompts[::-1], policy)
+    assert any(r for b in graphs.buffers.values() for _, _, r in b.static._layouts)  # repaired steps replayed
 
 
 def test_eager_engine_has_no_graphs_on_cpu(tmp_path) -> None:
@@ -105,8 +125,8 @@ def test_lean_decode_matches_eager_general_path(tmp_path, split: int) -> None:
     assert sorted(graphs.buffers) == [1, 2]
     statics = [b.static for b in graphs.buffers.values()]
     assert all(s.capacity > 16 for s in statics) and any(s.tile_capacity > 4 for s in statics)
-    assert any(fused for s in statics for fused, _ in s._layouts)  # some step rotated keys in the kernel
-    assert max(w for s in statics for _, w in s._layouts) == (1 if not split else 2)
+    assert any(fused for s in statics for fused, _, _ in s._layouts)  # some step rotated keys in the kernel
+    assert max(w for s in statics for _, w, _ in s._layouts) == (1 if not split else 2)
 
 
 def _decode_chunks(rng: random.Random, bs: int) -> list[Chunk]:
@@ -125,7 +145,11 @@ def _decode_chunks(rng: random.Random, bs: int) -> list[Chunk]:
         n_keys = sum(e.n_valid for e in entries)
         p = n_keys - 1 if rng.random() < 0.7 else rng.randint(0, n_keys - 1)
         tokens = [rng.randint(0, 99) for _ in range(n_keys)]
-        task = Task(tokens, entries, [], bs, sample=True, main=True)
+        repair = None
+        if rng.random() < 0.4:
+            end = rng.randint(1, n_keys)
+            repair = Repair(np.array([rng.randint(0, end - 1)]), np.array([end]), 0.5, rng.choice([0.0, 1.25]))
+        task = Task(tokens, entries, [], bs, sample=True, main=True, repair=repair)
         chunks.append(Chunk(request=None, task=task, positions=[p]))
     return chunks
 
@@ -162,6 +186,9 @@ def test_packed_layout_equals_general_layout(block_n: int, split: SplitPolicy | 
             assert torch.equal(g[:n_tiles], w)
         assert got.fused_delta == want.fused_delta == fixed.has_delta
         assert torch.equal(fixed.key_slots[:n_keys], lay.key_slots)
+        assert (fixed.key_end is None) == (lay.key_end is None)
+        if lay.key_end is not None:
+            assert torch.equal(fixed.key_end[:n_keys], lay.key_end)
         assert torch.equal(fixed.q_pos, lay.q_pos)
         assert torch.equal(fixed.anchor, lay.anchor) and torch.equal(fixed.seg, lay.seg)
         assert torch.equal(fixed.write_slots, lay.write_slots)

@@ -32,7 +32,7 @@ def _host_plan(plan: AttentionPlan) -> HostPlan:
     def np_(t: torch.Tensor | None) -> np.ndarray | None:
         return None if t is None else t.numpy().astype(np.int64)
 
-    rows = [HostRow(np_(r.q_pos), np_(r.key_slots), np_(r.key_delta), np_(r.anchor_end), np_(r.seg_start))
+    rows = [HostRow(np_(r.q_pos), np_(r.key_slots), np_(r.key_delta), np_(r.anchor_end), np_(r.seg_start), r.repair)
             for r in plan.rows]
     T = int(plan.positions.numel())
     return HostPlan(np.arange(T, dtype=np.int64), np_(plan.positions), np_(plan.write_slots), rows)
@@ -50,10 +50,11 @@ BACKENDS = {
 
 
 @pytest.mark.parametrize("mode", sorted(BACKENDS))
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", range(7))
 def test_padded_step_matches_reference(mode: str, seed: int) -> None:
+    """Seeds 5 and 6: some rows read their plus segments repaired (plan.Repair)."""
     rng = random.Random(300 + seed)
-    case = _case(rng, n_rows=rng.randint(1, 5), plus=seed % 2 == 1, max_keys=200)
+    case = _case(rng, n_rows=rng.randint(1, 5), plus=seed % 2 == 1, max_keys=200, repair=seed >= 5)
     backend = BACKENDS[mode]()
     H, KVH = 4, 2
     static = backend.static_steps(H // KVH, KVH, Rotary(D, 10000.0, None, torch.device("cpu")).inv_freq,
@@ -61,6 +62,7 @@ def test_padded_step_matches_reference(mode: str, seed: int) -> None:
     hp = _host_plan(case.plan)
     T = len(hp.ids)
     shape, lay, dev, _ = static.load(hp)
+    assert shape.repaired == any(r.repair is not None for r in case.plan.rows)
     Tp = shape.tokens
     assert Tp == bucket(T, 16) and dev["write_slots"][T:].eq(-1).all()
     if shape.ways > 1:

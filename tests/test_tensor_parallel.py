@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from spanserve import LLM, SamplingParams, Segment
-from spanserve.reuse.policies import CacheBlend, SparseQ
+from spanserve.reuse.policies import CacheBlend, Policy, SparseQ
 from span_helpers import capture_logits, run_all
 from tiny_models import make_tiny_model
 
@@ -128,3 +128,28 @@ def test_one_device_emulating_two_ranks_gives_their_bits(pair):
         torch.set_num_threads(threads)
     with pytest.raises(ValueError, match="emulate_tp"):
         LLM(one.path, num_blocks=64, tensor_parallel_size=2, emulate_tp=3)
+
+
+@pytest.mark.parametrize("policy", [Policy("none", temperature=0.6, log_scale=0.8),
+                                    SparseQ(k=6, boundary=1, tail=0, temperature=1.5, log_scale=-0.5)])
+def test_repaired_segments_give_emulated_bits(pair, policy):
+    """Plus segments read repaired (temperature, log scale): TP=2 equals emulate_tp=2 bit for bit,
+    and TP=1 to rounding, cold and warm, decoding included."""
+    one, two = pair
+    emu = LLM(one.path, block_size=BS, num_blocks=256, max_num_batched_tokens=64, emulate_tp=2)
+    docs = [_toks(n, 400 + n) for n in (12, 18)]
+    lays = [[Segment(token_ids=_toks(5, 41))] + [Segment(token_ids=docs[i], kind="plus") for i in order]
+            + [Segment(token_ids=_toks(4, q))] for order, q in (([0, 1], 42), ([1, 0], 43))]
+    s1, s2, se = capture_logits(one.engine), capture_logits(two.engine), capture_logits(emu.engine)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for p in lays:  # the second reads the first one's documents warm
+            (a,), (b,), (c,) = (run_all(e.engine, [p], params=GREEDY, policy=policy) for e in (one, two, emu))
+            assert torch.equal(se[c], s2[b])
+            torch.testing.assert_close(se[c], s1[a], rtol=0, atol=1e-4)
+        tokens = [o.token_ids for o in two.generate(lays, GREEDY, policy=policy)]
+        assert [o.token_ids for o in emu.generate(lays, GREEDY, policy=policy)] == tokens
+    finally:
+        torch.set_num_threads(threads)
+        emu.shutdown()

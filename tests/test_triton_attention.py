@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from spanserve.attention.plan import AttentionPlan, Row  # noqa: E402
+from spanserve.attention.plan import AttentionPlan, Repair, Row  # noqa: E402
 from spanserve.attention.reference import ReferenceBackend  # noqa: E402
 from spanserve.attention.triton import LaunchConfig, TritonBackend, reposition_blocks  # noqa: E402
 from spanserve.cache.table import Entry, key_deltas, key_slots  # noqa: E402
@@ -51,7 +51,16 @@ def _entries(rng: random.Random, n_keys: int, free: list[int]) -> list[Entry]:
     return out
 
 
-def _case(rng: random.Random, n_rows: int, plus: bool, max_keys: int = 120) -> Case:
+def _repair(rng: random.Random, n_keys: int) -> Repair | None:
+    """Random plus segments in a row's keys, some queries after them, some inside."""
+    if rng.random() < 0.25 or n_keys < 2:
+        return None
+    cuts = sorted(rng.sample(range(n_keys + 1), min(n_keys + 1, 2 * rng.randint(1, 3))))
+    starts, ends = np.array(cuts[0::2], dtype=np.int64), np.array(cuts[1::2], dtype=np.int64)
+    return Repair(starts[:len(ends)], ends, rng.choice([0.25, 0.6, 1.7]), rng.choice([-2.0, 0.5, 3.0]))
+
+
+def _case(rng: random.Random, n_rows: int, plus: bool, max_keys: int = 120, repair: bool = False) -> Case:
     num_blocks = 400 * -(-max_keys // 120)
     # Block 0 stays finite and unused: the reference pads its key lists with slot 0.
     free = list(range(1, num_blocks))
@@ -80,7 +89,7 @@ def _case(rng: random.Random, n_rows: int, plus: bool, max_keys: int = 120) -> C
             q_start=start, q_end=start + nq, q_pos=torch.tensor(q_pos),
             key_slots=torch.tensor(slots),
             key_delta=None if deltas is None else torch.tensor(deltas),
-            anchor_end=anchor, seg_start=seg,
+            anchor_end=anchor, seg_start=seg, repair=_repair(rng, n_keys) if repair else None,
         ))
     plan = AttentionPlan(rows, torch.tensor(positions), torch.tensor(writes))
     return Case(plan, num_blocks, used)
@@ -137,6 +146,16 @@ def test_random_layouts_match_reference(mode: str, G: int, seed: int) -> None:
     rng = random.Random(1000 * G + seed)
     case = _case(rng, n_rows=rng.randint(1, 6), plus=seed % 2 == 1)
     _run(case, H=2 * G, KVH=2, dtype=torch.float32, backend=BACKENDS[mode](), seed=seed)
+
+
+@pytest.mark.parametrize("mode", sorted(BACKENDS))
+@pytest.mark.parametrize("seed", range(3))
+def test_repaired_rows_match_reference(mode: str, seed: int) -> None:
+    """Rows whose plus segments are read with a temperature and log scale (plan.Repair), beside
+    rows without, prefill and decode launches, split or not, prerotated or fused."""
+    rng = random.Random(500 + seed)
+    case = _case(rng, n_rows=rng.randint(2, 6), plus=seed == 2, max_keys=200, repair=True)
+    _run(case, H=6, KVH=2, dtype=torch.float32, backend=BACKENDS[mode](), seed=seed)
 
 
 @pytest.mark.parametrize("mode", ["split", "split-fused"])

@@ -66,7 +66,7 @@ class DecodeGraphs:
         self.capture = capture
         self.block_n: int = backend.decode_cfg.block_n  # keys per tile of the decode launch
         self.buffers: dict[int, _Buffers] = {}
-        self.graphs: dict[tuple[int, bool, int], tuple[Any, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, bool, int, bool], tuple[Any, torch.Tensor]] = {}
         self.pool = GraphPool() if capture else None
         self.replays = 0  # steps served by a graph (or the fixed-buffer path)
         self.capacity = 1 << 14  # initial keys per batch size's buffers (they grow by doubling)
@@ -96,7 +96,7 @@ class DecodeGraphs:
         if not self.capture:
             out = self._forward(buf, buf.plan, lay)
         else:
-            key = (B, lay.has_delta, lay.fixed[0].split)
+            key = (B, lay.has_delta, lay.fixed[0].split, lay.key_end is not None)
             if key not in self.graphs:
                 self.graphs[key] = self._capture(buf, buf.plan, lay)
             graph, out = self.graphs[key]

@@ -199,14 +199,14 @@ def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_
         part_lse = torch.empty(launch.split, n_loc, H, dtype=torch.float32, device=q.device)
     attention_kernel[(launch.desc.shape[0], KVH)](
         q, k_flat, v_flat, out,
-        launch.desc, lay.key_slots,
+        launch.desc, lay.key_slots, lay.key_slots if lay.key_end is None else lay.key_end,
         lay.q_pos, lay.anchor, lay.seg,
         launch.tile_start, launch.tile_end, launch.tile_delta, lay.inv_freq, part_o, part_lse,
         q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), out.stride(0), n_loc, H,
         qk_scale,
         G=G, D=D, BLOCK_M=block_m, BLOCK_N=cfg.block_n, NUM_FIELDS=NUM_FIELDS,
         HAS_DELTA=launch.fused_delta, KEEP_Q=block_m <= _KEEP_Q_ROWS, K_SCRATCH=pre is not None,
-        HAS_PLUS=lay.has_plus, PREC=prec, SPLIT=launch.split > 1,
+        HAS_PLUS=lay.has_plus, PREC=prec, SPLIT=launch.split > 1, HAS_REPAIR=lay.key_end is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if launch.split > 1:

@@ -18,14 +18,18 @@ from typing import Any
 import numpy as np
 
 from spanserve.attention.decode import DecodeRows
+from spanserve.attention.plan import NEVER
 from spanserve.attention.triton.descriptors import (
+    F_INV_T,
     F_KEY_BASE,
     F_LOC0,
+    F_LOG_S,
     F_MIN_T,
     F_PART0,
     F_TOK0,
     F_TOK1,
     NUM_FIELDS,
+    repair_fields,
     shares_in_order,
 )
 
@@ -109,7 +113,8 @@ def decode_spans(rows: DecodeRows, block_n: int) -> DecodeSpans:
     return out
 
 
-def descriptors(spans: DecodeSpans, pos: list[int], ways: int = 1) -> list[list[int]] | np.ndarray:
+def descriptors(spans: DecodeSpans, pos: list[int], ways: int = 1,
+                repairs: list | None = None) -> list[list[int]] | np.ndarray:
     """The launch's descriptors (NUM_FIELDS ints each), longest first: one per row (part 0, the
     anchor prefix, is empty for causal rows; part 1 is all the row's keys and tiles), each cut
     into `ways` shares along its tiles when > 1."""
@@ -120,6 +125,8 @@ def descriptors(spans: DecodeSpans, pos: list[int], ways: int = 1) -> list[list[
         d[F_TOK0], d[F_TOK1], d[F_KEY_BASE], d[F_MIN_T], d[F_LOC0] = b, b + 1, key_base, pos[b], b
         d[F_PART0 + 2] = d[F_PART0 + 3] = d[F_PART0 + 6] = t0
         d[F_PART0 + 5], d[F_PART0 + 7] = n, t0 + nt
+        if repairs is not None:
+            d[F_INV_T], d[F_LOG_S] = repair_fields(repairs[b])
         out.append(d)
         key_base += n
         t0 += nt
@@ -143,6 +150,7 @@ class HostArrays:
     tile_end: np.ndarray
     tile_delta: np.ndarray
     key_slots: np.ndarray
+    key_end: np.ndarray
 
     @classmethod
     def of(cls, p: Any) -> "HostArrays":
@@ -153,7 +161,11 @@ def write_step(host: HostArrays, rows: DecodeRows, spans: "DecodeSpans | PlainSp
                index: np.ndarray, ways: int = 1) -> bool:
     """Fill a host buffer with one step, each row's tiles shared among `ways` programs; returns
     whether some tile rotates (fused delta). `index`: arange of at least the longest row's keys
-    (int32), which tile starts are slices of."""
+    (int32), which tile starts are slices of. Rows with a repair also fill `key_end`."""
+    if rows.repairs is not None:
+        n_keys = [p + 1 for p in rows.pos]
+        np.concatenate([np.full(k, NEVER, dtype=np.int32) if r is None else r.key_ends(k)
+                        for r, k in zip(rows.repairs, n_keys)], out=host.key_end[:sum(n_keys)])
     if isinstance(spans, PlainSpans):
         write_plain(host, rows, spans, block_n, ways)
         return False
@@ -177,6 +189,8 @@ def write_plain(host: HostArrays, rows: DecodeRows, spans: PlainSpans, block_n: 
     desc[:, F_KEY_BASE], desc[:, F_MIN_T] = key_base, pos
     desc[:, F_PART0 + 2] = desc[:, F_PART0 + 3] = desc[:, F_PART0 + 6] = t0
     desc[:, F_PART0 + 5], desc[:, F_PART0 + 7] = n, t0 + tiles
+    if rows.repairs is not None:
+        desc[:, [F_INV_T, F_LOG_S]] = [repair_fields(r) for r in rows.repairs]
     desc = shares_in_order(desc, ways)  # longest first (stable), as the per-row path orders them
     host.desc[:len(desc)] = desc
     ts, te = host.tile_start[:T], host.tile_end[:T]
@@ -193,7 +207,7 @@ def write_rows(host: HostArrays, rows: DecodeRows, spans: DecodeSpans, block_n: 
     host.positions[:] = rows.pos
     host.q_pos[:] = rows.pos
     host.write_slots[:] = [int(s[p]) for s, p in zip(rows.slots, rows.pos)]
-    desc = descriptors(spans, rows.pos, ways)
+    desc = descriptors(spans, rows.pos, ways, rows.repairs)
     host.desc[:len(desc)] = desc
     # tile k of a span starts at span start + k * BLOCK_N; all but a span's last end BLOCK_N later
     n = spans.total_tiles

@@ -14,7 +14,20 @@ F_PART0 = 3  # klo, khi, tile_lo, tile_hi of part 0 (anchor prefix); part 1 foll
 F_MIN_ANCHOR, F_MAX_SEG, F_MIN_T = 11, 12, 13
 F_SPLIT, F_LOC0 = 14, 15  # split launches: which split of its query block, launch-local index of tok0
 F_SCRATCH_BASE = 16  # prerotated launches: the row's first key in the launch's K scratch
+# repaired rows (plan.Repair): 1 / temperature and log_scale * log2(e), float32 bits
+F_INV_T, F_LOG_S = 17, 18
 NUM_FIELDS = 32  # a descriptor row is 128 bytes
+_LOG2E = 1.4426950408889634
+
+
+def repair_fields(repair: Any) -> tuple[int, int]:
+    """(F_INV_T, F_LOG_S) of a row: its repair's values as float32 bits (1 and 0 without one);
+    the kernel's scores are in base 2, so the log scale is too."""
+    if repair is None:
+        inv_t, log_s = 1.0, 0.0
+    else:
+        inv_t, log_s = 1.0 / repair.temperature, repair.log_scale * _LOG2E
+    return tuple(int(x) for x in np.array([inv_t, log_s], dtype=np.float32).view(np.int32))  # type: ignore[return-value]
 
 
 def tile_counts(desc: np.ndarray) -> np.ndarray:
@@ -77,4 +90,6 @@ def describe_decodes(rows: Sequence[Any], bn: int) -> tuple[np.ndarray, np.ndarr
     d[:, F_PART0 + 2] = d[:, F_PART0 + 3] = d[:, F_PART0 + 6] = t0  # part 0 (no anchor): empty
     d[:, F_PART0 + 5], d[:, F_PART0 + 7] = n, t0 + row_tiles
     d[:, F_MIN_T] = n - 1
+    if any(r.repair is not None for r in rows):
+        d[:, [F_INV_T, F_LOG_S]] = [repair_fields(r.repair) for r in rows]
     return d, ts, te, s_delta[span]

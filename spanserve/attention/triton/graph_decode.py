@@ -35,9 +35,10 @@ class Regions:
             ("ids", i64, (B,)), ("positions", i64, (B,)), ("write_slots", i64, (B,)),
             ("q_pos", i32, (B,)), ("zeros", i32, (B,)), ("desc", i32, (B * max_ways, NUM_FIELDS)),
             ("tile_start", i32, (T,)), ("tile_end", i32, (T,)), ("tile_delta", i32, (T,)),
-            ("key_slots", i32, (key_cap,))])
+            ("key_slots", i32, (key_cap,)), ("key_end", i32, (key_cap,))])
         self.keys_offset = self.offsets["key_slots"][0]
-        self.nbytes = self.keys_offset + 4 * key_cap
+        self.ends_offset = self.offsets["key_end"][0]  # copied apart, by steps with repaired rows only
+        self.nbytes = self.ends_offset + 4 * key_cap
 
     def used_bytes(self, n_keys: int) -> int:
         return self.keys_offset + 4 * n_keys
@@ -59,6 +60,7 @@ class Packed:
     tile_end: torch.Tensor
     tile_delta: torch.Tensor
     key_slots: torch.Tensor
+    key_end: torch.Tensor  # repaired rows' key ends (plan.Repair.key_ends), beside key_slots
 
     @classmethod
     def carve(cls, buf: torch.Tensor, regions: Regions) -> "Packed":
@@ -107,7 +109,7 @@ class StaticDecode:
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self._unfenced: int | None = None
-        self._layouts: dict[tuple[bool, int], StepLayout] = {}
+        self._layouts: dict[tuple[bool, int, bool], StepLayout] = {}
         return True
 
     @property
@@ -147,8 +149,12 @@ class StaticDecode:
         fused = write_step(self._arrays[i], rows, spans, block_n, self._index, ways)
         n = self.regions.used_bytes(spans.total_keys)
         self.dev.buf[:n].copy_(self._host[i].buf[:n], non_blocking=True)
+        repaired = rows.repairs is not None
+        if repaired:
+            e = slice(self.regions.ends_offset, self.regions.ends_offset + 4 * spans.total_keys)
+            self.dev.buf[e].copy_(self._host[i].buf[e], non_blocking=True)
         self._unfenced = i
-        return self._layout(fused, ways), moved
+        return self._layout(fused, ways, repaired), moved
 
     def fence(self) -> None:
         """Mark where the work reading the last loaded host buffer ends, so it is not overwritten
@@ -160,15 +166,15 @@ class StaticDecode:
             self._copied[i] = torch.cuda.Event()
         self._copied[i].record()
 
-    def _layout(self, fused: bool, ways: int) -> StepLayout:
-        """The fixed layout of a step with rotation `fused` and rows cut into `ways` shares: a
-        graph's key, with the batch size."""
-        if (fused, ways) not in self._layouts:
+    def _layout(self, fused: bool, ways: int, repaired: bool = False) -> StepLayout:
+        """The fixed layout of a step with rotation `fused`, rows cut into `ways` shares and some
+        rows `repaired` or none: a graph's key, with the batch size."""
+        if (fused, ways, repaired) not in self._layouts:
             d = self.dev
             launch = Launch(d.desc[:self.batch * ways], d.tile_start, d.tile_end, d.tile_delta, fused, None, ways,
                             self._tokens if ways > 1 else None)
-            self._layouts[fused, ways] = StepLayout(
+            self._layouts[fused, ways, repaired] = StepLayout(
                 write_slots=d.write_slots, key_slots=d.key_slots, q_pos=d.q_pos, anchor=d.zeros, seg=d.zeros,
                 inv_freq=self.inv_freq, has_delta=fused, has_plus=False, rows=[],
-                fixed=(launch, empty_launch(self.device)))
-        return self._layouts[fused, ways]
+                fixed=(launch, empty_launch(self.device)), key_end=d.key_end if repaired else None)
+        return self._layouts[fused, ways, repaired]

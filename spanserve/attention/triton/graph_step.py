@@ -47,6 +47,7 @@ from spanserve.attention.triton.launch import (
     decode_split,
     empty_launch,
     host_rows,
+    key_end_array,
 )
 
 _TILE_FIELDS = [F_PART0 + 2, F_PART0 + 3, F_PART0 + 6, F_PART0 + 7]
@@ -70,6 +71,7 @@ class Shape:
     big_fused: bool
     big_prerotated: bool
     has_plus: bool
+    repaired: bool = False  # some row reads its plus segments repaired (key ends sent)
 
     @property
     def buffers(self) -> tuple[int, int, int]:
@@ -90,9 +92,11 @@ class _Regions:
             ("rot_count", i32, (1,)),
             ("desc_small", i32, (small, NUM_FIELDS)), ("desc_big", i32, (big, NUM_FIELDS)),
             ("tile_start", i32, (tile_cap,)), ("tile_end", i32, (tile_cap,)), ("tile_delta", i32, (tile_cap,)),
-            ("rot_delta", i32, (key_cap,)), ("rot_slots", i32, (key_cap,)), ("key_slots", i32, (key_cap,))])
+            ("rot_delta", i32, (key_cap,)), ("rot_slots", i32, (key_cap,)), ("key_slots", i32, (key_cap,)),
+            ("key_end", i32, (key_cap,))])
         self.keys_offset = self.offsets["key_slots"][0]
-        self.nbytes = self.keys_offset + 4 * key_cap
+        self.ends_offset = self.offsets["key_end"][0]  # copied apart, by steps with repaired rows only
+        self.nbytes = self.ends_offset + 4 * key_cap
 
     def carve(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         return carve(buf, self.offsets)
@@ -152,7 +156,8 @@ class StaticSteps:
         nb = 0 if hb is None else len(hb.tile_start)
         shape = Shape(bucket(T, 16), bucket(0 if hs is None else len(hs.desc)), bucket(0 if hb is None else len(hb.desc)),
                       1 if hb is None else hb.split, 1 if hs is None else hs.split, hs is not None and hs.fused_delta,
-                      hb is not None and hb.fused_delta, hb is not None and hb.rot_keys is not None, has_plus)
+                      hb is not None and hb.fused_delta, hb is not None and hb.rot_keys is not None, has_plus,
+                      any(h.repair is not None for h in plan.rows))
         buf, moved = self._buffers(shape.buffers, n_keys, ns + nb)
         self.fence()
         i = buf.turn
@@ -163,6 +168,10 @@ class StaticSteps:
         _fill(a, plan, rows, hs, hb, ns, n_keys)
         n = buf.regions.keys_offset + 4 * n_keys
         buf.dev_buf[:n].copy_(buf.host[i][:n], non_blocking=True)
+        if shape.repaired:
+            a["key_end"][:n_keys] = key_end_array(plan.rows)
+            e = slice(buf.regions.ends_offset, buf.regions.ends_offset + 4 * n_keys)
+            buf.dev_buf[e].copy_(buf.host[i][e], non_blocking=True)
         self._unfenced = (buf, i)
         if shape not in buf.layouts:
             buf.layouts[shape] = self._layout(buf, shape)
@@ -210,7 +219,7 @@ class StaticSteps:
         return StepLayout(
             write_slots=d["write_slots"], key_slots=d["key_slots"], q_pos=d["q_pos"], anchor=d["anchor"],
             seg=d["seg"], inv_freq=self.inv_freq, has_delta=shape.small_fused or shape.big_fused,
-            has_plus=shape.has_plus, rows=[],
+            has_plus=shape.has_plus, rows=[], key_end=d["key_end"] if shape.repaired else None,
             fixed=(launch(d["desc_small"], shape.small_fused, shape.small_ways, d["tokens_small"]),
                    launch(d["desc_big"], shape.big_fused, shape.ways, d["tokens"], pre)))
 

@@ -26,19 +26,21 @@ F_MIN_T = tl.constexpr(descriptors.F_MIN_T)
 F_SPLIT = tl.constexpr(descriptors.F_SPLIT)
 F_LOC0 = tl.constexpr(descriptors.F_LOC0)
 F_SCRATCH_BASE = tl.constexpr(descriptors.F_SCRATCH_BASE)
+F_INV_T = tl.constexpr(descriptors.F_INV_T)
+F_LOG_S = tl.constexpr(descriptors.F_LOG_S)
 
 
 @triton.jit
 def attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    desc_ptr, key_slots_ptr, qpos_ptr, anchor_ptr, seg_ptr,
+    desc_ptr, key_slots_ptr, key_end_ptr, qpos_ptr, anchor_ptr, seg_ptr,
     tile_start_ptr, tile_end_ptr, tile_delta_ptr, inv_freq_ptr, part_o_ptr, part_lse_ptr,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_ot, n_loc, n_heads,
     qk_scale,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_FIELDS: tl.constexpr, HAS_DELTA: tl.constexpr, KEEP_Q: tl.constexpr,
     K_SCRATCH: tl.constexpr, HAS_PLUS: tl.constexpr, PREC: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_REPAIR: tl.constexpr,
 ):
     """One program: up to BLOCK_M // G query tokens of one row times the G query heads that share
     KV head `program_id(1)`, packed along M so every K/V tile is loaded once for all G heads.
@@ -49,7 +51,10 @@ def attention_kernel(
     scratch, holding the row's keys in order from F_SCRATCH_BASE; V is read through the slots.
     SPLIT: the program covers one share of
     its query block's tiles and writes its normalized output and log2-sum-exp to the partial
-    buffers [split, launch-local token, head], for `combine_kernel`."""
+    buffers [split, launch-local token, head], for `combine_kernel`.
+    HAS_REPAIR: key_end_ptr holds each key's plus-segment end (plan.Repair.key_ends, parallel to
+    the key slots); a query at t >= it scores the key s * F_INV_T + F_LOG_S. The change is per
+    (query, key), so tile order, splits and the combine pass are untouched."""
     HALF: tl.constexpr = D // 2
     BLOCK_Q: tl.constexpr = BLOCK_M // G
     desc = desc_ptr + tl.program_id(0) * NUM_FIELDS
@@ -60,6 +65,9 @@ def attention_kernel(
     min_t = tl.load(desc + F_MIN_T)
     if K_SCRATCH:
         scratch_base = tl.load(desc + F_SCRATCH_BASE)
+    if HAS_REPAIR:
+        inv_t = tl.load(desc + F_INV_T).to(tl.float32, bitcast=True)
+        log_s = tl.load(desc + F_LOG_S).to(tl.float32, bitcast=True)
 
     rows = tl.arange(0, BLOCK_M)
     tok = tok0 + rows // G
@@ -136,6 +144,9 @@ def attention_kernel(
                 else:
                     s = tl.dot(q, tl.trans(kt), input_precision=PREC)
                 s = s * qk_scale
+                if HAS_REPAIR:
+                    kend = tl.load(key_end_ptr + key_base + kk, mask=kin, other=2147483647)
+                    s = tl.where(t[:, None] >= kend[None, :], s * inv_t + log_s, s)
                 full = (k0 >= f_lo) & (k0 + BLOCK_N <= tl.minimum(k1, f_hi))
                 if not full:
                     vis = kk[None, :] <= t[:, None]

@@ -29,15 +29,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
 
 from spanserve.attention.paths import RowPath, row_path
-from spanserve.attention.plan import AttentionPlan, HostRow
-from spanserve.attention.triton.descriptors import (F_KEY_BASE, F_LOC0, F_MAX_SEG, F_MIN_ANCHOR, F_MIN_T, F_PART0,
-                                                    F_SCRATCH_BASE, F_TOK0, F_TOK1, NUM_FIELDS, describe_decodes,
-                                                    shares_in_order, simple_decodes)
+from spanserve.attention.plan import NEVER, AttentionPlan, HostRow, Repair
+from spanserve.attention.triton.descriptors import (F_INV_T, F_KEY_BASE, F_LOC0, F_LOG_S, F_MAX_SEG, F_MIN_ANCHOR,
+                                                    F_MIN_T, F_PART0, F_SCRATCH_BASE, F_TOK0, F_TOK1, NUM_FIELDS,
+                                                    describe_decodes, repair_fields, shares_in_order, simple_decodes)
 from spanserve.attention.triton.descriptors import tile_counts as _tile_counts
 
 # Descriptor fields (int32, one row per program); the kernel reads them by these offsets.
@@ -55,6 +56,7 @@ class _RowHost:
     q_pos: np.ndarray  # [nq]
     anchor: np.ndarray
     seg: np.ndarray
+    repair: Repair | None = None
 
 
 @dataclass
@@ -96,6 +98,9 @@ class StepLayout:
     has_plus: bool
     rows: list[_RowHost]
     fixed: tuple[Launch, Launch] | None = None  # set by a static (graph) layout: its launches
+    # [sum keys] int32 beside key_slots: each key's plus-segment end for repaired rows (NEVER
+    # elsewhere); None when no row of the step is repaired
+    key_end: torch.Tensor | None = None
     _launches: dict[tuple, tuple[Launch, Launch]] = field(default_factory=dict)
     _dense: dict[int, list[_RowHost]] = field(default_factory=dict)
 
@@ -137,7 +142,7 @@ def _row_path(r: _RowHost, small_q: int, dense_min: int) -> RowPath:
 def _fresh(r: _RowHost) -> bool:
     """The row sees exactly its own keys, causally from position 0, unrotated."""
     nq = r.q_end - r.q_start
-    return (r.n_keys == nq and len(r.span_delta) == 1 and r.span_delta[0] == 0
+    return (r.n_keys == nq and len(r.span_delta) == 1 and r.span_delta[0] == 0 and r.repair is None
             and bool((r.q_pos == np.arange(nq)).all()) and not r.anchor.any() and not r.seg.any())
 
 
@@ -207,7 +212,7 @@ def host_rows(rows: Sequence[HostRow]) -> list[_RowHost]:
         zeros = None if h.anchor_end is not None and h.seg_start is not None else np.zeros(nq, dtype=np.int64)
         out.append(_RowHost(q0, q0 + nq, key_base, n, *_spans(h.key_delta, n), h.q_pos,
                             zeros if h.anchor_end is None else h.anchor_end,
-                            zeros if h.seg_start is None else h.seg_start))
+                            zeros if h.seg_start is None else h.seg_start, h.repair))
         q0 += nq
         key_base += n
     return out
@@ -234,7 +239,8 @@ def build_layout(plan: AttentionPlan, inv_freq: torch.Tensor) -> StepLayout:
             if r.key_delta is not None:
                 d = deltas[d_off:d_off + n]
                 d_off += n
-            host_rows_.append(_RowHost(r.q_start, r.q_end, key_base, n, *_spans(d, n), q_pos[sl], anchor[sl], seg[sl]))
+            host_rows_.append(_RowHost(r.q_start, r.q_end, key_base, n, *_spans(d, n), q_pos[sl], anchor[sl], seg[sl],
+                                       r.repair))
             q_off += nq
             key_base += n
     tok = np.zeros((3, T), dtype=np.int64)
@@ -247,8 +253,26 @@ def build_layout(plan: AttentionPlan, inv_freq: torch.Tensor) -> StepLayout:
         q_pos=_dev32(tok[0], dev), anchor=_dev32(tok[1], dev), seg=_dev32(tok[2], dev),
         inv_freq=inv_freq.to(device=dev, dtype=torch.float32).contiguous(),
         has_delta=any(bool((r.span_delta != 0).any()) for r in host_rows_),
-        has_plus=has_plus, rows=host_rows_,
+        has_plus=has_plus, rows=host_rows_, key_end=key_ends(host_rows_, dev),
     )
+
+
+def key_end_array(rows: Sequence[Any]) -> np.ndarray | None:
+    """The step's per-key segment ends (int32, rows' keys in order), None when no row repairs.
+    `rows`: anything with n_keys (or key_slots) and repair."""
+    if all(r.repair is None for r in rows):
+        return None
+    return np.concatenate([r.repair.key_ends(_n_keys(r)) if r.repair is not None
+                           else np.full(_n_keys(r), NEVER, dtype=np.int32) for r in rows])
+
+
+def _n_keys(r: Any) -> int:
+    return r.n_keys if hasattr(r, "n_keys") else len(r.key_slots)
+
+
+def key_ends(rows: list[_RowHost], dev: torch.device) -> torch.Tensor | None:
+    a = key_end_array(rows)
+    return None if a is None else torch.from_numpy(a).to(dev)
 
 
 def _consecutive(rows: list) -> bool:
@@ -352,6 +376,7 @@ def _describe_rows(rows: list[_RowHost], bq: int, bn: int, prerotate: bool,
             d[:, base], d[:, base + 1] = klo, khi
             d[:, base + 2], d[:, base + 3] = n_tiles + jlo, n_tiles + jhi
         d[:, F_MIN_ANCHOR], d[:, F_MAX_SEG], d[:, F_MIN_T] = min_a, max_s, min_t
+        d[:, F_INV_T], d[:, F_LOG_S] = repair_fields(r.repair)
         d[:, F_LOC0] = n_tok + starts
         d[:, F_SCRATCH_BASE] = n_scratch
         n_scratch += r.n_keys if prerotate else 0
