@@ -5,6 +5,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from spanserve.reuse.policies import POLICY_NAMES
 from spanserve.toolcall.chat_setup import PARSER_NAMES
 
 if TYPE_CHECKING:
@@ -31,8 +32,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests in the running batch (default: 256 on a GPU, fewer if the KV pool is small; 64 on a CPU)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + generated tokens")
-    p.add_argument("--default-policy", default="none", choices=["none", "full"],
-                   help="recomputation policy for span layouts that name none (full = read everything causally)")
+    p.add_argument("--default-policy", default="none", choices=POLICY_NAMES,
+                   help="recomputation policy for span layouts that name none (full = read everything causally; "
+                        "+repair: reused segments read with the tuned attention repair)")
     p.add_argument("--pin-quota", type=float, default=None, metavar="FRACTION",
                    help="share of the KV pool one tenant's pinned segments may hold (default: the global pin "
                         "budget, pin_fraction 0.5 of the pool; both limits apply)")

@@ -31,8 +31,10 @@ class Dense:
 
     def layer(self, i, h, pos, mask, override=None, repair=None):
         """Decoder layer i over hidden states h [N, hidden] at positions pos with mask [N, N].
-        override(k, v) may replace K/V (before RoPE) ahead of attention. repair: (changed [N, N]
-        bool, temperature, log_scale): those scores s become s / temperature + log_scale.
+        override(k, v) may replace K/V (before RoPE) ahead of attention. repair: (context [N, N]
+        bool, temperature, log_scale): each query reads its context keys as one group (APE),
+        written out here on its own: weights softmax(s / T) within, the group one key of logit
+        T * logsumexp(s / T) + log_scale beside the others.
         Returns (h, k, v, probs [H, N, N])."""
         c, w = self.c, self.w
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
@@ -50,10 +52,10 @@ class Dense:
         kr = self._rope(k, pos).repeat_interleave(H // KVH, dim=1)
         vv = v.repeat_interleave(H // KVH, dim=1)
         scores = torch.einsum("qhd,khd->hqk", self._rope(q, pos), kr) / D ** 0.5
-        if repair is not None:
-            changed, temperature, log_scale = repair
-            scores = torch.where(changed[None], scores / temperature + log_scale, scores)
-        probs = scores.masked_fill(~mask[None], float("-inf")).softmax(-1)
+        if repair is None:
+            probs = scores.masked_fill(~mask[None], float("-inf")).softmax(-1)
+        else:
+            probs = _grouped(scores, mask, *repair)
         o = torch.einsum("hqk,khd->qhd", probs, vv).reshape(N, H * D)
         h = h + F.linear(o, w[a + "o_proj.weight"])
         x = self._norm(h, w[p + "post_attention_layernorm.weight"])
@@ -110,6 +112,28 @@ class Dense:
         return self.logits(hidden[-1])
 
 
+
+
+def _grouped(scores, mask, context, temperature, log_scale):
+    """APE's reading of the context keys, per query row, in the plainest form: the group's
+    logsumexp, each member's share of it, the group as one extra key."""
+    H, N, _ = scores.shape
+    probs = torch.zeros_like(scores)
+    for i in range(N):
+        vis = mask[i]
+        ctx = vis & context[i]
+        rest = vis & ~ctx
+        s = scores[:, i]
+        group_logit = torch.full((H,), float("-inf"), dtype=scores.dtype)
+        within = torch.zeros_like(s)
+        if ctx.any():
+            sc = s[:, ctx] / temperature
+            group_logit = temperature * torch.logsumexp(sc, -1) + log_scale
+            within[:, ctx] = sc.softmax(-1)
+        logits = torch.cat([s[:, rest], group_logit[:, None]], -1).softmax(-1)
+        probs[:, i, rest] = logits[:, :-1]
+        probs[:, i] += logits[:, -1:] * within
+    return probs
 
 
 def repaired(pieces: list[Piece], N: int, temperature: float, log_scale: float):

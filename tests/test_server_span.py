@@ -157,7 +157,7 @@ def layout(docs: list[str], **extra: Any) -> dict[str, Any]:
             "temperature": 0, **extra}
 
 
-@pytest.mark.parametrize("policy", ["none", "cacheblend"])
+@pytest.mark.parametrize("policy", ["none", "cacheblend", "none+repair"])
 def test_completion_segments_reuse_at_another_position(http: httpx.Client, policy: str) -> None:
     salt = {"cache_salt": f"layout-{policy}"}  # a tenant of its own: a cold first request
     first = http.post("/v1/completions", json=layout(DOCS, policy=policy, **salt)).json()

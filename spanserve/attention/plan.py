@@ -13,10 +13,12 @@ NEVER = 2**31 - 1  # a key end no query position reaches: the key is read as it 
 
 class Repair(NamedTuple):
     """How a row's later tokens read the reused segments it holds (parallel encoding repaired in
-    attention, after APE, arXiv 2502.05431): a key in [starts[i], ends[i]) (a plus segment, in the
-    row's positions) read by a query at position t >= ends[i] scores s / temperature + log_scale
-    instead of s (s = q.k / sqrt(D)); queries inside the segment read it as it is. temperature 1 and
-    log_scale 0 change nothing."""
+    attention, after APE, arXiv 2502.05431). A key in [starts[i], ends[i]) (a plus segment, in the
+    row's positions) read by a query at position t >= ends[i] is a *context* key of that query;
+    queries inside the segment read it as it is. A query reads its context keys as one group:
+    weights softmax(s / temperature) within it, and the group weighs as one key of logit
+    temperature * logsumexp(s / temperature) + log_scale beside its other keys (s = q.k / sqrt(D);
+    `attention.reference.repaired_softmax`). temperature 1 and log_scale 0 change nothing."""
 
     starts: np.ndarray  # int64
     ends: np.ndarray

@@ -110,12 +110,29 @@ class ReferenceBackend(AttentionBackend):
 
 def _repaired(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
               repair: tuple[torch.Tensor, torch.Tensor, torch.Tensor], g: int) -> torch.Tensor:
-    """Attention of q [B, KVH, g*nq, D] over k, v [B, KVH, N, D] with the rows' repaired scores
+    """Attention of q [B, KVH, g*nq, D] over k, v [B, KVH, N, D] with the rows' repair
     (plan.Repair), in float32: what SDPA computes when nothing is changed."""
     B, _, M, D = q.shape
     changed, inv_t, log_s = repair
     changed = changed[:, None, None].expand(B, 1, g, M // g, -1).reshape(B, 1, M, -1)
     s = torch.einsum("bhmd,bhnd->bhmn", q.float(), k.float()) / D ** 0.5
-    s = torch.where(changed, s * inv_t[:, None, None, None] + log_s[:, None, None, None], s)
-    p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    p = repaired_softmax(s, mask, changed, inv_t[:, None, None, None], log_s[:, None, None, None])
     return torch.einsum("bhmn,bhnd->bhmd", p, v.float()).to(q.dtype)
+
+
+def repaired_softmax(s: torch.Tensor, visible: torch.Tensor, context: torch.Tensor, inv_t: "torch.Tensor | float",
+                     log_s: "torch.Tensor | float") -> torch.Tensor:
+    """The attention weights [..., N] of scores s [..., N] (q.k / sqrt(D)) over the visible keys,
+    the `context` ones (plus-segment keys read after their segment) read as one group (APE): their
+    weights within the group are softmax(s / T), and the group weighs as one key of logit
+    T * logsumexp(s / T) + log_scale beside the others (inv_t = 1 / T). With T = 1 this is
+    softmax(s + log_scale on the context keys). A query always sees its own key, which is never
+    context, so the others are never empty."""
+    ninf = torch.tensor(float("-inf"), dtype=s.dtype, device=s.device)
+    ctx = context & visible
+    sc = torch.where(ctx, s * inv_t, ninf)
+    lse = torch.logsumexp(sc, -1, keepdim=True)  # -inf where a query sees no context key
+    group = torch.where(torch.isfinite(lse), lse / inv_t + log_s, ninf)
+    so = torch.where(visible & ~ctx, s, ninf)
+    z = torch.logsumexp(torch.cat([so, group], -1), -1, keepdim=True)
+    return torch.where(ctx, torch.exp(group + sc - lse - z), torch.exp(so - z))

@@ -228,6 +228,7 @@ REPAIR = {"temperature": 1.0, "log_scale": 0.0}
 _BY_NAME = {"none": NONE, "full": FULL, "cacheblend": CacheBlend(), "sparseq": SparseQ(), "sinks": Sinks()}
 _BY_NAME.update({f"{n}+repair": replace(p, name=f"{n}+repair", **REPAIR)
                  for n, p in list(_BY_NAME.items()) if n != "full"})
+POLICY_NAMES = tuple(_BY_NAME)
 
 
 def resolve_policy(policy: "str | Policy | None", default: Policy = NONE) -> Policy:

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from spanserve.attention.plan import Repair
+from spanserve.attention.reference import repaired_softmax
 from spanserve.rope import Rotary, apply_rotary
 from spanserve.reuse.policies import CacheBlend, Policy, Sinks, SparseQ
 
@@ -146,9 +147,9 @@ def attention_mass(q, q_pos, k_cache, key_slots, key_delta, rotary: Rotary, repa
         keys = apply_rotary(keys, cos, sin)
     keys = keys.repeat_interleave(H // KVH, dim=1)  # [N, H, D]
     s = torch.einsum("qhd,khd->hqk", q.float(), keys) / D ** 0.5
-    if repair is not None:
-        changed = repair.applies(q_pos, keys.shape[0])[None]
-        s = torch.where(changed, s / repair.temperature + repair.log_scale, s)
     causal = torch.arange(keys.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    if repair is not None:
+        context = repair.applies(q_pos, keys.shape[0])[None]
+        return repaired_softmax(s, causal[None], context, 1.0 / repair.temperature, repair.log_scale).sum((0, 1))
     p = s.masked_fill(~causal[None], float("-inf")).softmax(-1)
     return p.sum((0, 1))

@@ -68,7 +68,8 @@ class SamplingRequest(OpenAIBody):
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # The prefix cache is shared only between requests with the same salt (tenant isolation).
     cache_salt: str | None = None
-    # Recomputation policy for span layouts (extension): none | full | cacheblend | sparseq | sinks.
+    # Recomputation policy for span layouts (extension): none | full | cacheblend | sparseq | sinks, and
+    # each but full with "+repair" (reuse.policies.POLICY_NAMES).
     policy: str | None = None
 
     @property

@@ -65,6 +65,29 @@ def test_tiny_model_on_cuda_gives_the_cpu_engines_tokens(tmp_path):
         assert outs[name] == (expect, expect), name
 
 
+def test_repaired_segments_on_cuda_give_the_cpu_engines_tokens(tmp_path):
+    """Plus segments read with a temperature and log scale (the attention repair): greedy tokens
+    on CUDA through Triton (decode and step graphs, split launches) equal the CPU engine's, cold
+    and warm, with and without selective recompute."""
+    from spanserve.reuse.policies import Policy, SparseQ
+
+    path, _ = make_tiny_model("llama", tmp_path, layers=4)
+    gen = torch.Generator().manual_seed(3)
+    lays = span_layouts(gen, 384, torch.randint(3, 384, (37,), generator=gen).tolist())
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for policy in (Policy("none", temperature=0.5, log_scale=1.0), SparseQ(k=8, boundary=1, temperature=1.5, log_scale=-0.5)):
+        outs = {}
+        for name, dev, backend in [("cpu", "cpu", "reference"), ("cuda-triton", "cuda", TritonBackend())]:
+            llm = LLM(str(path), device=dev, dtype="float32", block_size=16, num_blocks=256, backend=backend)
+            cold = [o.token_ids for o in llm.generate(lays, params, policy=policy)]
+            warm = [o.token_ids for o in llm.generate(lays[::-1], params, policy=policy)][::-1]
+            outs[name] = (cold, warm)
+            llm.shutdown()
+            del llm
+            release()
+        assert outs["cuda-triton"] == (outs["cpu"][0], outs["cpu"][0]), policy
+
+
 def test_seeded_sampling_on_cuda_is_reproducible(tmp_path):
     """Per-request generators live on the engine's device: a seeded request repeats itself."""
     path, _ = make_tiny_model("llama", tmp_path, layers=2)

@@ -193,27 +193,31 @@ def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     pre = launch.prerotation
     n_loc = 0 if launch.tokens is None else launch.tokens.numel()
-    part_o = part_lse = out
-    if launch.split > 1:
-        part_o = torch.empty(launch.split, n_loc, H, D, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(launch.split, n_loc, H, dtype=torch.float32, device=q.device)
+    repair = lay.key_end is not None
+    part_o = part_lse = part_ts = out
+    if launch.split > 1:  # a repaired launch's shares write two results each (kernels.attention_kernel)
+        groups = 2 if repair else 1
+        part_o = torch.empty(launch.split * groups, n_loc, H, D, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(launch.split * groups, n_loc, H, dtype=torch.float32, device=q.device)
+        if repair:
+            part_ts = torch.empty(n_loc, 2, dtype=torch.float32, device=q.device)
     attention_kernel[(launch.desc.shape[0], KVH)](
         q, k_flat, v_flat, out,
         launch.desc, lay.key_slots, lay.key_slots if lay.key_end is None else lay.key_end,
         lay.q_pos, lay.anchor, lay.seg,
-        launch.tile_start, launch.tile_end, launch.tile_delta, lay.inv_freq, part_o, part_lse,
+        launch.tile_start, launch.tile_end, launch.tile_delta, lay.inv_freq, part_o, part_lse, part_ts,
         q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), out.stride(0), n_loc, H,
         qk_scale,
         G=G, D=D, BLOCK_M=block_m, BLOCK_N=cfg.block_n, NUM_FIELDS=NUM_FIELDS,
         HAS_DELTA=launch.fused_delta, KEEP_Q=block_m <= _KEEP_Q_ROWS, K_SCRATCH=pre is not None,
-        HAS_PLUS=lay.has_plus, PREC=prec, SPLIT=launch.split > 1, HAS_REPAIR=lay.key_end is not None,
+        HAS_PLUS=lay.has_plus, PREC=prec, SPLIT=launch.split > 1, HAS_REPAIR=repair,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if launch.split > 1:
         block_h = min(triton.next_power_of_2(H), 8)
         combine_kernel[(n_loc, triton.cdiv(H, block_h))](
-            part_o, part_lse, launch.tokens, out, n_loc, H, out.stride(0), launch.split,
-            D=D, BLOCK_H=block_h, num_warps=4,
+            part_o, part_lse, part_ts, launch.tokens, out, n_loc, H, out.stride(0), launch.split,
+            D=D, BLOCK_H=block_h, REPAIR=repair, num_warps=4,
         )
 
 

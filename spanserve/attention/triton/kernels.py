@@ -34,7 +34,7 @@ F_LOG_S = tl.constexpr(descriptors.F_LOG_S)
 def attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     desc_ptr, key_slots_ptr, key_end_ptr, qpos_ptr, anchor_ptr, seg_ptr,
-    tile_start_ptr, tile_end_ptr, tile_delta_ptr, inv_freq_ptr, part_o_ptr, part_lse_ptr,
+    tile_start_ptr, tile_end_ptr, tile_delta_ptr, inv_freq_ptr, part_o_ptr, part_lse_ptr, part_ts_ptr,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_ot, n_loc, n_heads,
     qk_scale,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -53,8 +53,9 @@ def attention_kernel(
     its query block's tiles and writes its normalized output and log2-sum-exp to the partial
     buffers [split, launch-local token, head], for `combine_kernel`.
     HAS_REPAIR: key_end_ptr holds each key's plus-segment end (plan.Repair.key_ends, parallel to
-    the key slots); a query at t >= it scores the key s * F_INV_T + F_LOG_S. The change is per
-    (query, key), so tile order, splits and the combine pass are untouched."""
+    the key slots); a query at t >= it reads the key as one of its context keys (plan.Repair), in
+    a pass of its own before the others: scores times F_INV_T (1 / T), their result then one key
+    of logit T * log2-sum-exp + F_LOG_S. Tiles without a pair for the pass are skipped unread."""
     HALF: tl.constexpr = D // 2
     BLOCK_Q: tl.constexpr = BLOCK_M // G
     desc = desc_ptr + tl.program_id(0) * NUM_FIELDS
@@ -96,76 +97,115 @@ def attention_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     kv_col = kvh * stride_ch + dd
 
-    for part in tl.static_range(2):
-        if part == 1 or HAS_PLUS:
-            klo = tl.load(desc + F_PART0 + 4 * part)
-            khi = tl.load(desc + F_PART0 + 4 * part + 1)
-            j_lo = tl.load(desc + F_PART0 + 4 * part + 2)
-            j_hi = tl.load(desc + F_PART0 + 4 * part + 3)
-            # Keys in [f_lo, f_hi) are visible to every query of the program.
-            if part == 0:
-                f_lo = klo
-                f_hi = tl.load(desc + F_MIN_ANCHOR)
-            else:
-                f_lo = tl.maximum(klo, tl.load(desc + F_MAX_SEG))
-                f_hi = min_t + 1
-            for j in range(j_lo, j_hi):
-                k0 = tl.maximum(tl.load(tile_start_ptr + j), klo)
-                k1 = tl.minimum(tl.load(tile_end_ptr + j), khi)
-                kk = k0 + tl.arange(0, BLOCK_N)
-                kin = kk < k1
-                slot = tl.load(key_slots_ptr + key_base + kk, mask=kin, other=0).to(tl.int64)
-                v_ptrs = v_cache_ptr + slot[:, None] * stride_cs + kv_col[None, :]
-                if K_SCRATCH:
-                    # Contiguous rows and no second index load: this is why the prerotation copies
-                    # zero spans too (the slot-list variant ran 4-7% slower on H100).
-                    k_row = (scratch_base + kk).to(tl.int64)
-                    k_ptrs = k_cache_ptr + k_row[:, None] * stride_cs + kv_col[None, :]
+    if SPLIT:
+        loc = tl.load(desc + F_LOC0) + (tok - tok0)
+        share = tl.load(desc + F_SPLIT).to(tl.int64)
+    # HAS_REPAIR: pass 0 reads each query's context keys (scores / T), which then become one key of
+    # logit T * their log2-sum-exp + log scale (or, split, a partial result of group 0), and pass 1
+    # reads the other keys on top of it
+    for grp in tl.static_range(2 if HAS_REPAIR else 1):
+        for part in tl.static_range(2):
+            if part == 1 or HAS_PLUS:
+                klo = tl.load(desc + F_PART0 + 4 * part)
+                khi = tl.load(desc + F_PART0 + 4 * part + 1)
+                j_lo = tl.load(desc + F_PART0 + 4 * part + 2)
+                j_hi = tl.load(desc + F_PART0 + 4 * part + 3)
+                # Keys in [f_lo, f_hi) are visible to every query of the program.
+                if part == 0:
+                    f_lo = klo
+                    f_hi = tl.load(desc + F_MIN_ANCHOR)
                 else:
-                    k_ptrs = k_cache_ptr + slot[:, None] * stride_cs + kv_col[None, :]
-                kt = tl.load(k_ptrs, mask=kin[:, None], other=0.0)
-                if HAS_DELTA:
-                    dl = tl.load(tile_delta_ptr + j)
-                    if dl != cur:
-                        # A new span: rotate the queries once for all of its tiles.
-                        ang = dl.to(tl.float32) * freq
-                        c = tl.cos(ang)[None, :]
-                        sn = (tl.sin(ang) * sign)[None, :]
-                        if KEEP_Q:
-                            qc = (q.to(tl.float32) * c + q_sw.to(tl.float32) * sn).to(q.dtype)
+                    f_lo = tl.maximum(klo, tl.load(desc + F_MAX_SEG))
+                    f_hi = min_t + 1
+                for j in range(j_lo, j_hi):
+                    k0 = tl.maximum(tl.load(tile_start_ptr + j), klo)
+                    k1 = tl.minimum(tl.load(tile_end_ptr + j), khi)
+                    kk = k0 + tl.arange(0, BLOCK_N)
+                    kin = kk < k1
+                    if HAS_REPAIR:
+                        # the pass's (query, key) pairs: context ones in pass 0, the others in pass 1;
+                        # a tile with none is skipped before its K/V are read
+                        kend = tl.load(key_end_ptr + key_base + kk, mask=kin, other=2147483647)
+                        ctx = t[:, None] >= kend[None, :]
+                        if grp == 0:
+                            mine = ctx
                         else:
-                            # Re-read (L2) rather than held: at BLOCK_M = 128 a second and third
-                            # [BLOCK_M, D] operand in registers spill inside this loop.
-                            qa = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-                            qs = tl.load(swap_ptrs, mask=row_ok[:, None], other=0.0)
-                            qc = (qa.to(tl.float32) * c + qs.to(tl.float32) * sn).to(qa.dtype)
-                        cur = dl
-                    s = tl.dot(qc, tl.trans(kt), input_precision=PREC)
-                else:
-                    s = tl.dot(q, tl.trans(kt), input_precision=PREC)
-                s = s * qk_scale
-                if HAS_REPAIR:
-                    kend = tl.load(key_end_ptr + key_base + kk, mask=kin, other=2147483647)
-                    s = tl.where(t[:, None] >= kend[None, :], s * inv_t + log_s, s)
-                full = (k0 >= f_lo) & (k0 + BLOCK_N <= tl.minimum(k1, f_hi))
-                if not full:
-                    vis = kk[None, :] <= t[:, None]
-                    if HAS_PLUS:
-                        vis = ((kk[None, :] >= seg[:, None]) & vis) | (kk[None, :] < anc[:, None])
-                    s = tl.where(vis & kin[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_ptrs, mask=kin[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-                m_i = m_new
+                            mine = ctx == 0
+                        busy = tl.sum((mine & kin[None, :] & row_ok[:, None]).to(tl.int32)) > 0
+                    else:
+                        busy = True
+                    if busy:
+                        slot = tl.load(key_slots_ptr + key_base + kk, mask=kin, other=0).to(tl.int64)
+                        v_ptrs = v_cache_ptr + slot[:, None] * stride_cs + kv_col[None, :]
+                        if K_SCRATCH:
+                            # Contiguous rows and no second index load: this is why the prerotation copies
+                            # zero spans too (the slot-list variant ran 4-7% slower on H100).
+                            k_row = (scratch_base + kk).to(tl.int64)
+                            k_ptrs = k_cache_ptr + k_row[:, None] * stride_cs + kv_col[None, :]
+                        else:
+                            k_ptrs = k_cache_ptr + slot[:, None] * stride_cs + kv_col[None, :]
+                        kt = tl.load(k_ptrs, mask=kin[:, None], other=0.0)
+                        if HAS_DELTA:
+                            dl = tl.load(tile_delta_ptr + j)
+                            if dl != cur:
+                                # A new span: rotate the queries once for all of its tiles.
+                                ang = dl.to(tl.float32) * freq
+                                c = tl.cos(ang)[None, :]
+                                sn = (tl.sin(ang) * sign)[None, :]
+                                if KEEP_Q:
+                                    qc = (q.to(tl.float32) * c + q_sw.to(tl.float32) * sn).to(q.dtype)
+                                else:
+                                    # Re-read (L2) rather than held: at BLOCK_M = 128 a second and third
+                                    # [BLOCK_M, D] operand in registers spill inside this loop.
+                                    qa = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+                                    qs = tl.load(swap_ptrs, mask=row_ok[:, None], other=0.0)
+                                    qc = (qa.to(tl.float32) * c + qs.to(tl.float32) * sn).to(qa.dtype)
+                                cur = dl
+                            s = tl.dot(qc, tl.trans(kt), input_precision=PREC)
+                        else:
+                            s = tl.dot(q, tl.trans(kt), input_precision=PREC)
+                        s = s * qk_scale
+                        if HAS_REPAIR:
+                            if grp == 0:
+                                s = s * inv_t
+                            s = tl.where(mine, s, float("-inf"))
+                        full = (k0 >= f_lo) & (k0 + BLOCK_N <= tl.minimum(k1, f_hi))
+                        if not full:
+                            vis = kk[None, :] <= t[:, None]
+                            if HAS_PLUS:
+                                vis = ((kk[None, :] >= seg[:, None]) & vis) | (kk[None, :] < anc[:, None])
+                            s = tl.where(vis & kin[None, :], s, float("-inf"))
+                        m_new = tl.maximum(m_i, tl.max(s, 1))
+                        alpha = tl.exp2(m_i - m_new)
+                        p = tl.exp2(s - m_new[:, None])
+                        l_i = l_i * alpha + tl.sum(p, 1)
+                        v = tl.load(v_ptrs, mask=kin[:, None], other=0.0)
+                        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+                        m_i = m_new
+        if HAS_REPAIR and grp == 0:
+            has = l_i > 0.0
+            l_c = tl.where(has, l_i, 1.0)
+            if SPLIT:
+                cell = ((share * 2) * n_loc + loc) * n_heads + head
+                tl.store(part_lse_ptr + cell, tl.where(has, m_i + tl.log2(l_c), float("-inf")), mask=row_ok)
+                tl.store(part_o_ptr + cell[:, None] * D + dd[None, :], acc / l_c[:, None], mask=row_ok[:, None])
+                tl.store(part_ts_ptr + 2 * loc, 1.0 / inv_t + tl.zeros_like(l_c), mask=row_ok)
+                tl.store(part_ts_ptr + 2 * loc + 1, log_s + tl.zeros_like(l_c), mask=row_ok)
+                acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+                m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
+                l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            else:
+                acc = acc / l_c[:, None]
+                m_i = tl.where(has, (m_i + tl.log2(l_c)) / inv_t + log_s, -1.0e30)
+                l_i = tl.where(has, 1.0, 0.0)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if SPLIT:
-        loc = tl.load(desc + F_LOC0) + (tok - tok0)
-        cell = (tl.load(desc + F_SPLIT).to(tl.int64) * n_loc + loc) * n_heads + head
+        if HAS_REPAIR:
+            cell = ((share * 2 + 1) * n_loc + loc) * n_heads + head
+        else:
+            cell = (share * n_loc + loc) * n_heads + head
         # A share with no visible key weighs nothing in the combine.
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + cell, lse, mask=row_ok)
@@ -176,23 +216,15 @@ def attention_kernel(
 
 
 @triton.jit
-def combine_kernel(
-    part_o_ptr, part_lse_ptr, tokens_ptr, out_ptr, n_loc, n_heads, stride_ot, n_split,
-    D: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """out[tokens[i], h] = sum_s w_s o_s / sum_s w_s with w_s = 2^lse_s: merges the shares of a
-    split launch for launch-local token `program_id(0)` and BLOCK_H heads."""
-    loc = tl.program_id(0)
-    # tokens < 0: a padding index of a fixed-size (graph) launch, which no share wrote
-    tok = tl.load(tokens_ptr + loc).to(tl.int64)
-    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = hh < tl.where(tok >= 0, n_heads, 0)
+def _merged(part_o_ptr, part_lse_ptr, loc, hh, h_ok, n_loc, n_heads, n_split, groups, g,
+            D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(log2-sum-exp, output) of group g's shares (2^lse_s-weighted); lse -inf where none counts."""
     dd = tl.arange(0, D)
     m = tl.full((BLOCK_H,), -1.0e30, dtype=tl.float32)
     den = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, D), dtype=tl.float32)
     for s in range(n_split):
-        cell = (s * n_loc + loc).to(tl.int64) * n_heads + hh
+        cell = ((s * groups + g) * n_loc + loc).to(tl.int64) * n_heads + hh
         lse = tl.load(part_lse_ptr + cell, mask=h_ok, other=float("-inf"))
         o = tl.load(part_o_ptr + cell[:, None] * D + dd[None, :], mask=h_ok[:, None], other=0.0)
         m_new = tl.maximum(m, lse)
@@ -201,7 +233,38 @@ def combine_kernel(
         den = den * alpha + w
         acc = acc * alpha[:, None] + w[:, None] * o
         m = m_new
-    res = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    safe = tl.where(den > 0.0, den, 1.0)
+    return tl.where(den > 0.0, m + tl.log2(safe), float("-inf")), acc / safe[:, None]
+
+
+@triton.jit
+def combine_kernel(
+    part_o_ptr, part_lse_ptr, part_ts_ptr, tokens_ptr, out_ptr, n_loc, n_heads, stride_ot, n_split,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, REPAIR: tl.constexpr,
+):
+    """out[tokens[i], h] = sum_s w_s o_s / sum_s w_s with w_s = 2^lse_s: merges the shares of a
+    split launch for launch-local token `program_id(0)` and BLOCK_H heads. REPAIR: each share
+    wrote its context keys' result (group 0, in the scores / T domain) and the others' (group 1);
+    group 0, merged, weighs as one key of logit T * lse + log scale (part_ts: T, log scale)."""
+    loc = tl.program_id(0)
+    # tokens < 0: a padding index of a fixed-size (graph) launch, which no share wrote
+    tok = tl.load(tokens_ptr + loc).to(tl.int64)
+    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = hh < tl.where(tok >= 0, n_heads, 0)
+    dd = tl.arange(0, D)
+    if REPAIR:
+        lse_c, o_c = _merged(part_o_ptr, part_lse_ptr, loc, hh, h_ok, n_loc, n_heads, n_split, 2, 0, D, BLOCK_H)
+        lse_o, o_o = _merged(part_o_ptr, part_lse_ptr, loc, hh, h_ok, n_loc, n_heads, n_split, 2, 1, D, BLOCK_H)
+        temp = tl.load(part_ts_ptr + 2 * loc, mask=tok >= 0, other=1.0)
+        log_s = tl.load(part_ts_ptr + 2 * loc + 1, mask=tok >= 0, other=0.0)
+        lam = tl.where(lse_c > float("-inf"), lse_c * temp + log_s, float("-inf"))
+        top = tl.maximum(tl.maximum(lam, lse_o), -1.0e30)
+        w_c = tl.exp2(lam - top)
+        w_o = tl.exp2(lse_o - top)
+        den = w_c + w_o
+        res = (w_c[:, None] * o_c + w_o[:, None] * o_o) / tl.where(den > 0.0, den, 1.0)[:, None]
+    else:
+        _, res = _merged(part_o_ptr, part_lse_ptr, loc, hh, h_ok, n_loc, n_heads, n_split, 1, 0, D, BLOCK_H)
     tl.store(out_ptr + tl.maximum(tok, 0) * stride_ot + (hh * D)[:, None] + dd[None, :],
              res.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 

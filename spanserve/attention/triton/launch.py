@@ -345,6 +345,7 @@ def _describe_rows(rows: list[_RowHost], bq: int, bn: int, prerotate: bool,
     tiles: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     rot_keys, rot_delta = [], []  # prerotated launches: each scratch row's key, and its delta
     n_tiles = n_tok = n_scratch = 0
+    repaired = any(r.repair is not None for r in rows)
     for r in rows:
         ts, te, td = _tiles(r, bn, split=not prerotate)
         tiles.append((ts, te, td))
@@ -376,7 +377,8 @@ def _describe_rows(rows: list[_RowHost], bq: int, bn: int, prerotate: bool,
             d[:, base], d[:, base + 1] = klo, khi
             d[:, base + 2], d[:, base + 3] = n_tiles + jlo, n_tiles + jhi
         d[:, F_MIN_ANCHOR], d[:, F_MAX_SEG], d[:, F_MIN_T] = min_a, max_s, min_t
-        d[:, F_INV_T], d[:, F_LOG_S] = repair_fields(r.repair)
+        if repaired:  # as describe_decodes writes them: rows without a repair read (1, 0)
+            d[:, F_INV_T], d[:, F_LOG_S] = repair_fields(r.repair)
         d[:, F_LOC0] = n_tok + starts
         d[:, F_SCRATCH_BASE] = n_scratch
         n_scratch += r.n_keys if prerotate else 0
