@@ -68,6 +68,7 @@ def attention_kernel(
         scratch_base = tl.load(desc + F_SCRATCH_BASE)
     if HAS_REPAIR:
         inv_t = tl.load(desc + F_INV_T).to(tl.float32, bitcast=True)
+        inv_t = tl.where(inv_t > 0.0, inv_t, 1.0)  # a graph's padding descriptor is all zero
         log_s = tl.load(desc + F_LOG_S).to(tl.float32, bitcast=True)
 
     rows = tl.arange(0, BLOCK_M)
