@@ -4,12 +4,23 @@ SmolLM2-135M-Instruct on CPU.
     .venv/bin/python benchmarks/quality.py              # 16 cases per family (80 cases), 4 x 256-token segments
     .venv/bin/python benchmarks/quality.py --quick      # 2 cases per family, 4 x 128-token segments
     .venv/bin/python benchmarks/quality.py --cases 40 --ctx 2048   # more and longer (4 x 512)
+    .venv/bin/python benchmarks/quality.py --split tune --tune      # the repair's grid on the tuning split
+    .venv/bin/python benchmarks/quality.py --split held-out --frontier T S   # the frontier, held out
+
+The repair (temperature T, log scale S: reuse/policies.py) is tuned on one split and reported on the
+other: --split tune draws every case from seed 1000 + --seed, --split held-out from 2000 + --seed
+(tasks.make_case generates a case from its family, layout, index and seed, so the splits share no
+case). --tune runs none, full, sink-anchored none and the repair at every (T, S) of --temperatures x
+--log-scales; --frontier every method at 0, 5, 15, 30 and 50% recompute with and without the
+repair (common/quality_variants.py), plotted as accuracy against recompute share. Both default to
+every task family (retrieval, multi-document reasoning, many-shot in-context learning).
 
 Five task families (benchmarks/common/tasks.py: single needle, multi-key needle, key-value retrieval,
 variable tracking, frequent words), each generated from --seed, nothing downloaded; the cases of a
 family alternate between a RAG layout (instruction | document chunks as plus segments | question)
 and a multi-turn chat layout (system + first exchange | history turns as plus segments | question
-turn). Every case runs under every variant (see variants()): none, full, the sinks-only policy,
+turn). Without --tune or --frontier every case runs under the standard variants
+(common/quality_variants.standard): none, full, the sinks-only policy,
 CacheBlend and SparseQ at ~15% with and without sink tokens (CacheBlend also at its former check
 layer 1), SparseQ at ~5% with sinks, and segments anchored on the model's sink prefix (BOS + chat
 template opening) under none, CacheBlend and SparseQ; --sweep adds 30% and 50% budgets.
@@ -51,59 +62,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import set_threads, write_json  # noqa: E402
-from common.quality_stats import findings, markdown, plot, summarize, table  # noqa: E402
-from common.tasks import FAMILIES, LAYOUTS, Case, is_correct, make_case  # noqa: E402
+from common.quality_stats import findings, frontier_plot, markdown, plot, summarize, table  # noqa: E402
+from common.quality_variants import Variant, frontier, standard, tuning  # noqa: E402
+from common.tasks import ALL_FAMILIES, FAMILIES, LAYOUTS, Case, is_correct, make_case  # noqa: E402
 
 from spanserve.engine.layout import Segment  # noqa: E402
 from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.llm import LLM  # noqa: E402
 from spanserve.model.loader import LoadedModel, load_model  # noqa: E402
-from spanserve.reuse.policies import CacheBlend, Policy, Sinks, SparseQ  # noqa: E402
+from spanserve.reuse.policies import Policy  # noqa: E402
 from spanserve.worker.storage import bytes_per_block  # noqa: E402
 
 BLOCK_SIZE = 16
-SINK = 4  # sink tokens recomputed per reused segment
-
-
-@dataclass(frozen=True)
-class Variant:
-    label: str
-    series: str  # none | full | sinks | cacheblend | sparseq (plot marker)
-    budget: float | None
-    policy: "str | Policy"
-    anchor: str = "none"  # the plus segments' anchor: none, or sink (BOS + chat template opening)
-
-
-def variants(sweep: bool = False) -> list[Variant]:
-    # keyword arguments only: a policy's first dataclass field is `name`. SparseQ's budgets leave
-    # room for its overflow blocks (one block each side of the question and the instruction),
-    # so that what it recomputes in all stays near the CacheBlend budget beside it.
-    out = [Variant("none", "none", None, "none"), Variant("full", "full", None, "full"),
-           Variant(f"sinks {SINK}", "sinks", 0.0, Sinks(sink_tokens=SINK)),
-           Variant("CacheBlend 15%", "cacheblend", 0.15, CacheBlend(ratio=0.15)),
-           Variant("CacheBlend 15% (check layer 1)", "cacheblend", 0.15, CacheBlend(ratio=0.15, check_layer=1)),
-           Variant("SparseQ 15%", "sparseq", 0.15, SparseQ(budget=0.12, sink_tokens=0)),
-           Variant(f"CacheBlend 15% +sink{SINK}", "cacheblend", 0.15, CacheBlend(ratio=0.15, sink_tokens=SINK)),
-           Variant(f"SparseQ 15% +sink{SINK}", "sparseq", 0.15, SparseQ(budget=0.12, sink_tokens=SINK)),
-           Variant(f"SparseQ 5% +sink{SINK}", "sparseq", 0.05, SparseQ(budget=0.02, sink_tokens=SINK)),
-           Variant("none, anchor sink", "none", None, "none", "sink"),
-           Variant(f"SparseQ 15% +sink{SINK}, anchor sink", "sparseq", 0.15, SparseQ(budget=0.12, sink_tokens=SINK), "sink"),
-           Variant("CacheBlend 15%, anchor sink", "cacheblend", 0.15, CacheBlend(ratio=0.15), "sink")]
-    if sweep:  # larger budgets: where on the accuracy / recompute curve each selection reaches full
-        for pct in (30, 50):
-            out += [Variant(f"CacheBlend {pct}%", "cacheblend", pct / 100, CacheBlend(ratio=pct / 100)),
-                    Variant(f"SparseQ {pct}% +sink{SINK}", "sparseq", pct / 100,
-                            SparseQ(budget=pct / 100 - 0.03, sink_tokens=SINK)),
-                    Variant(f"SparseQ {pct}% +sink{SINK}, anchor sink", "sparseq", pct / 100,
-                            SparseQ(budget=pct / 100 - 0.03, sink_tokens=SINK), "sink")]
-    return out
+SPLIT_SEEDS = {"tune": 1000, "held-out": 2000}  # case seeds: the two splits share no case
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=16, help="cases per task family (default 16; --quick: 2)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 cases per family, 4 x 128-token segments")
-    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    ap.add_argument("--families", nargs="+", default=None, choices=ALL_FAMILIES,
+                    help="default: the five retrieval families; with --tune or --frontier all of them")
     ap.add_argument("--ctx", type=int, default=1024, help="context tokens per case (the plus segments together)")
     ap.add_argument("--chunks", type=int, default=4, help="plus segments per case")
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -116,6 +95,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (one worker; the Triton backend)")
     ap.add_argument("--sweep", action="store_true", help="also CacheBlend and SparseQ at 30%% and 50%% recompute")
+    ap.add_argument("--split", choices=sorted(SPLIT_SEEDS), default=None,
+                    help="draw the cases of the tuning or the held-out split (case seed 1000 or 2000 plus --seed)")
+    ap.add_argument("--tune", action="store_true",
+                    help="the repair's grid (--temperatures x --log-scales) instead of the standard policies")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.8, 0.9, 1.0, 1.1, 1.25])
+    ap.add_argument("--log-scales", type=float, nargs="+", default=[-1.0, -0.5, 0.0, 0.5])
+    ap.add_argument("--frontier", type=float, nargs=2, metavar=("T", "S"), default=None,
+                    help="every method at 0/5/15/30/50%% recompute, each also repaired with temperature T, log scale S")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="weights and KV (default bfloat16, the serving dtype; ~1.5x faster than float32 here)")
     ap.add_argument("--out", default=None, help="file name under benchmarks/results/ (default quality[_quick].json)")
@@ -128,6 +115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.ctx = 512
     if args.quick and "--timed" not in (argv if argv is not None else sys.argv[1:]):
         args.timed = args.cases
+    if args.split is not None:
+        args.seed += SPLIT_SEEDS[args.split]
+    if args.families is None:
+        args.families = list(ALL_FAMILIES if args.tune or args.frontier is not None else FAMILIES)
     suffix = "_quick" if args.quick else ""
     args.out = args.out or f"quality{suffix}.json"
     args.plot = args.plot or f"quality{suffix}.png"
@@ -175,7 +166,7 @@ def pin_group(llm: LLM, group: list[Case], keys: list[list[str]]) -> None:
 def record(v: Variant, c: Case, rec: dict[str, Any], m: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
     """One case's metrics under one variant, into its record; anomalies noted in stats."""
     rc = m.get("recompute") or {}
-    if v.policy == "none":
+    if v.series == "none":
         frac: float | None = 0.0
     elif v.series == "full":
         frac = 1.0
@@ -250,7 +241,7 @@ def run_groups(args: argparse.Namespace, which: list[int], worker: int = 0) -> d
     """Runs the groups numbered `which` in this process (one LLM, its own KV pool)."""
     set_threads(args.threads)
     t0, c0 = time.perf_counter(), time.process_time()
-    vs = variants(args.sweep)
+    vs = chosen_variants(args)
     model = load_model(args.model, getattr(torch, args.dtype), torch.device(args.device))
     cases = make_cases(args, model.tokenizer)
     groups = [cases[i:i + args.group] for i in range(0, len(cases), args.group)]
@@ -271,10 +262,31 @@ def run_groups(args: argparse.Namespace, which: list[int], worker: int = 0) -> d
             "cpu_s": time.process_time() - c0}
 
 
+def chosen_variants(args: argparse.Namespace) -> list[Variant]:
+    if args.tune:
+        return tuning(args.temperatures, args.log_scales)
+    if args.frontier is not None:
+        return frontier(*args.frontier)
+    return standard(args.sweep)
+
+
+def best_repair(rows: list[dict[str, Any]], vs: list[Variant]) -> dict[str, Any] | None:
+    """The tuned values: the repaired variant of highest accuracy (then agreement with full)."""
+    by = {v.label: v for v in vs if v.repaired}
+    cands = [r for r in rows if r["label"] in by]
+    if not cands:
+        return None
+    r = max(cands, key=lambda r: (r["accuracy"], r["agreement"]))
+    pol = by[r["label"]].policy
+    assert isinstance(pol, Policy)
+    return {"label": r["label"], "temperature": pol.temperature, "log_scale": pol.log_scale, "accuracy": r["accuracy"],
+            "accuracy_ci95": r["accuracy_ci95"], "accuracy_vs_full": r["accuracy_vs_full"]}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    vs = variants(args.sweep)
+    vs = chosen_variants(args)
     cases = make_cases(args, load_model(args.model, torch.float32, torch.device("cpu")).tokenizer)
     max_prompt = max(c.prompt_tokens for c in cases)
     n_groups = -(-len(cases) // args.group)
@@ -315,12 +327,17 @@ def main(argv: list[str] | None = None) -> None:
           f"{workers} worker(s) x {args.threads} torch thread(s)")
     title = (f"SmolLM2-135M-Instruct, {len(cases)} cases ({args.cases}/family x {len(args.families)} families), "
              f"context {args.ctx} tokens in {args.chunks} plus segments")
-    png = plot(rows, title, args.plot)
+    png = frontier_plot(rows, vs, title, args.plot) if args.frontier is not None else plot(rows, title, args.plot)
+    tuned = best_repair(rows, vs) if args.tune else None
+    if tuned is not None:
+        print(f"* best repair on this split: {tuned['label']} (T={tuned['temperature']:g}, S={tuned['log_scale']:+g}), "
+              f"accuracy {tuned['accuracy']:.3f} = {tuned['accuracy_vs_full']:.1%} of full")
     config = {k: v for k, v in vars(args).items()}
     config["model"] = Path(str(args.model)).name  # a file's name, not where it sat on the machine
     path = write_json(args.out, {
         "benchmark": "quality", "model": f"SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to {args.dtype}, {args.device})",
         "config": config, "num_layers": num_layers, "wall_s": wall, "cpu_s": cpu, "model_load_s": t_load,
+        "split": args.split, "case_seed": args.seed, "tuned": tuned,
         "summary": rows, "findings": findings(rows), "markdown_table": markdown(rows, args.families),
         "checks": {"anomalies": stats["anomalies"], "decode_runs_not_all_hit": len(stats["rerun_computed"]),
                    "first_token_mismatch": stats["first_token_mismatch"]},

@@ -10,8 +10,16 @@ from typing import Any
 
 from common import format_table, median, save_figure
 
-SHORT = {"single_needle": "needle", "multi_key": "multikey", "kv_retrieval": "kv", "var_tracking": "vartrack",
-         "frequent_words": "freqword"}
+_SHORT = {"single_needle": "needle", "multi_key": "multikey", "kv_retrieval": "kv", "var_tracking": "vartrack",
+          "frequent_words": "freqword"}
+
+
+class _Short(dict):
+    def __missing__(self, key: str) -> str:
+        return key
+
+
+SHORT = _Short(_SHORT)
 BOOT = 2000
 
 
@@ -179,6 +187,45 @@ def plot(rows: list[dict], title: str, name: str) -> str:
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
     fig.suptitle(title + "\n(filled markers: segments anchored on the sink prefix)", fontsize=9)
     fig.subplots_adjust(bottom=0.3, wspace=0.25)
+    path = save_figure(fig, name)
+    plt.close(fig)
+    return str(path)
+
+
+def frontier_plot(rows: list[dict], vs: list[Any], title: str, name: str) -> str:
+    """Accuracy against recompute share: one line per method (solid: with the repair, dashed:
+    without), 95% intervals, full and plain none as horizontal references."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    repaired = {v.label: v.repaired for v in vs}
+    colors = {"none": "tab:grey", "sinks": "tab:purple", "cacheblend": "tab:blue", "sparseq": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(8, 5))
+    refs = {r["label"]: r for r in rows if r["label"] in ("none", "full")}
+    for lab, style in (("full", "-"), ("none", ":")):
+        if lab in refs:
+            ax.axhline(refs[lab]["accuracy"], color="black", linestyle=style, linewidth=1, label=f"{lab} (plain)")
+    for series, color in colors.items():
+        for rep in (False, True):
+            pts = sorted((r for r in rows if r["series"] == series and repaired.get(r["label"]) == rep
+                          and r["label"] != "none"), key=lambda r: r["recompute_fraction"])
+            if not pts:
+                continue
+            x = [r["recompute_fraction"] for r in pts]
+            y = [r["accuracy"] for r in pts]
+            err = [[r["accuracy"] - r["accuracy_ci95"][0] for r in pts], [r["accuracy_ci95"][1] - r["accuracy"] for r in pts]]
+            ax.errorbar(x, y, yerr=err, color=color, linestyle="-" if rep else "--", marker="o" if rep else "s",
+                        markerfacecolor=color if rep else "none", capsize=3,
+                        label=f"{series}{' + repair' if rep else ''}")
+    ax.set_xscale("symlog", linthresh=0.05)
+    ax.set_xticks([0, 0.05, 0.15, 0.3, 0.5, 1.0], ["0", "5%", "15%", "30%", "50%", "100%"])
+    ax.set_xlabel("reused tokens recomputed (sink tokens counted)")
+    ax.set_ylabel("accuracy (mean over families, 95% CI)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(title, fontsize=9)
     path = save_figure(fig, name)
     plt.close(fig)
     return str(path)

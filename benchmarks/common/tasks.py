@@ -1,5 +1,6 @@
-"""Synthetic long-context retrieval tasks for the quality benchmark, generated from a seed (nothing
-downloaded), in the style of RULER and the SparseX appendix, each laid out two ways:
+"""Synthetic long-context tasks for the quality benchmark, generated from a seed (nothing downloaded):
+retrieval in the style of RULER and the SparseX appendix, multi-document aggregation and many-shot
+in-context learning (tasks_reasoning.py), each laid out two ways:
 
   rag   [cross: system + user instruction] [plus: document chunk] x n [cross: question + assistant header]
   chat  [cross: system + first exchange (instruction)] [plus: one user/assistant turn per chunk] x n
@@ -16,18 +17,39 @@ Families (answer kind):
   var_tracking    two chains "VAR A = 48213. VAR B = A. VAR C = B." in filler, different
                   values; ask the last variable of one of them                         (number)
   frequent_words  lines of common words, one of them markedly more frequent; ask it    (word)
+
+REASONING: aggregation over documents; the facts sit in different chunks, none holds the answer alone.
+  majority_docs   "A shipment arrived in Oslo." three times, each in another chunk, and once to
+                  another city; ask which city received the most shipments              (word)
+  link_docs       "Anna moved to Oslo." and "The code of Oslo is 4821." in different chunks,
+                  and another person, city and code; ask the code of Anna's city         (number)
+
+ICL: many-shot in-context learning. The context is example exchanges, a user turn holding an
+input and the assistant's turn its answer, as many as fit, every chunk a run of them; the
+question is the next user turn (one of the inputs shown). rag gives the instruction in the system
+message, chat as a first exchange; neither names the input to be asked.
+  icl_classify    16 words of four categories, each answered fruit, animal, color or tool;
+                  ask one of them                                                       (word)
+  icl_map         six words, each answered with its own made-up 2-digit number; ask one  (number)
+
+FAMILIES keeps the five retrieval families (the benchmark's default); ALL_FAMILIES adds the others.
 """
 from __future__ import annotations
 
 import random
 import re
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from spanserve.engine.layout import Segment
 
-FAMILIES = ("single_needle", "multi_key", "kv_retrieval", "var_tracking", "frequent_words")
+from . import tasks_reasoning
+from .tasks_reasoning import ICL, PARTED, REASONING
+
+FAMILIES = ("single_needle", "multi_key", "kv_retrieval", "var_tracking", "frequent_words")  # retrieval
+ALL_FAMILIES = FAMILIES + REASONING + ICL
 LAYOUTS = ("rag", "chat")
 
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -214,8 +236,10 @@ def frequent_words(rng: random.Random, b: _Builder, ctx: int, n_vocab: int = 8, 
 
 GENERATORS: dict[str, Callable[..., Task]] = {
     "single_needle": single_needle, "multi_key": multi_key, "kv_retrieval": kv_retrieval,
-    "var_tracking": var_tracking, "frequent_words": frequent_words}
-KINDS = {"frequent_words": "word"}
+    "var_tracking": var_tracking, "frequent_words": frequent_words, **tasks_reasoning.GENERATORS}
+KINDS = {"frequent_words": "word", **tasks_reasoning.KINDS}
+# What joins a chunk's units: a space for prose, a newline for lists.
+SEPARATORS = {"kv_retrieval": "\n", **{f: "" for f in ICL}}  # ICL turns end in a newline
 ANSWER_HINT = {"number": "Answer with the number only.", "word": "Answer with one word only."}
 
 
@@ -233,31 +257,48 @@ def _pack(units: list[str], lengths: list[int], n_chunks: int) -> list[list[str]
     return [c for c in chunks if c]
 
 
+def _layout(layout: str, instruction: str, texts: list[str], ask: str) -> tuple[str, list[str], str]:
+    """Prefix, chunks and suffix text of a case of documents (see the module docstring)."""
+    if layout == "rag":
+        # One user message: instruction, the document chunks (each a newline-ended paragraph), question.
+        return SYSTEM + USER + instruction + "\n\n", [t + "\n" for t in texts], "\n" + ask + END + ASSISTANT
+    # A conversation: the user announces the text and the task, sends it one part per turn (the
+    # assistant acknowledging each), then asks.
+    prefix = (SYSTEM + USER + f"I will send you a text in {len(texts)} parts. {instruction}" + END
+              + ASSISTANT + "OK, send the text." + END)
+    chunks = [USER + f"Part {j + 1}:\n{t}" + END + ASSISTANT + "Got it." + END for j, t in enumerate(texts)]
+    return prefix, chunks, USER + ask + END + ASSISTANT
+
+
+def _icl_layout(layout: str, instruction: str, texts: list[str], query: str) -> tuple[str, list[str], str]:
+    """Prefix, chunks and suffix text of an ICL case: the chunks are runs of example turns, the
+    question the next user turn; rag gives the instruction in the system message, chat as a first
+    exchange."""
+    if layout == "rag":
+        prefix = SYSTEM.replace(END, f" {instruction}{END}")
+    else:
+        prefix = SYSTEM + USER + instruction + END + ASSISTANT + "OK." + END
+    return prefix, texts, USER + query + END + ASSISTANT
+
+
 def make_case(family: str, layout: str, index: int, seed: int, encode: Callable[[str], list[int]],
               ctx_tokens: int, n_chunks: int) -> Case:
     """One case; ctx_tokens is the approximate context length in tokens, cut into n_chunks plus segments."""
-    rng = random.Random(f"{seed}/{family}/{layout}/{index}")
-    sents, instruction, question, answer, meta = GENERATORS[family](rng, _Builder(encode), ctx_tokens)
-    kind = KINDS.get(family, "number")
-    ask = f"{question} {ANSWER_HINT[kind]}"
-    sep = "\n" if family == "kv_retrieval" else " "
-    parts = _pack(sents, [len(encode(" " + s)) for s in sents], n_chunks)
-    texts = [sep.join(p) for p in parts]
-    if layout == "rag":
-        # One user message: instruction, the document chunks (each a newline-ended paragraph), question.
-        prefix = encode(SYSTEM + USER + instruction + "\n\n")
-        chunks = [encode(t + "\n") for t in texts]
-        suffix = encode("\n" + ask + END + ASSISTANT)
-    elif layout == "chat":
-        # A conversation: the user announces the text and the task, sends it one part per turn (the
-        # assistant acknowledging each), then asks.
-        prefix = encode(SYSTEM + USER + f"I will send you a text in {len(texts)} parts. {instruction}" + END
-                        + ASSISTANT + "OK, send the text." + END)
-        chunks = [encode(USER + f"Part {j + 1}:\n{t}" + END + ASSISTANT + "Got it." + END) for j, t in enumerate(texts)]
-        suffix = encode(USER + ask + END + ASSISTANT)
-    else:
+    if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
-    return Case(family, layout, index, prefix, chunks, suffix, answer, kind, meta)
+    rng = random.Random(f"{seed}/{family}/{layout}/{index}")
+    if family in PARTED:  # the generator puts facts into chunks of its choosing
+        parts, instruction, question, answer, meta = PARTED[family](rng, _Builder(encode), ctx_tokens, n_chunks)
+    else:
+        sents, instruction, question, answer, meta = GENERATORS[family](rng, _Builder(encode), ctx_tokens)
+        parts = _pack(sents, [len(encode(" " + s)) for s in sents], n_chunks)
+    kind = KINDS.get(family, "number")
+    texts = [SEPARATORS.get(family, " ").join(p) for p in parts]
+    if family in ICL:  # the instruction already says how to answer
+        prefix, chunks, suffix = _icl_layout(layout, instruction, texts, question)
+    else:
+        prefix, chunks, suffix = _layout(layout, instruction, texts, f"{question} {ANSWER_HINT[kind]}")
+    return Case(family, layout, index, encode(prefix), [encode(c) for c in chunks], encode(suffix), answer, kind, meta)
 
 
 def make_cases(families: list[str], n_per_family: int, seed: int, encode: Callable[[str], list[int]],
