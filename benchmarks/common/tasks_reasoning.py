@@ -4,10 +4,12 @@ many-shot in-context learning. tasks.py registers and lays them out and describe
 The aggregation families put each fact into a chunk of their choosing (no chunk holds enough to
 answer), so they take n_chunks and return their sentences already cut into chunks. The ICL
 families return their examples as conversation turns, cut into chunks like retrieval units.
-SmolLM2-135M, checked under `full` at 1024 context tokens, gets none of these right beyond chance:
-how many times a fact is stated, which of two or three stated heights is largest, the sum of two
-stated numbers, or ICL examples written as "Input: X / Label: Y" lines inside one message; the
-families below are the variants it can do.
+
+SmolLM2-135M at 1024 context tokens in 4 chunks, 16 cases each, full attention (none): icl_classify
+16 (9), icl_map 15 (8), but majority_docs 6 (8) and link_docs 7 (7), about chance. So were the
+simpler aggregations tried first, answered with a constant or by position: how many times a
+shipment arrived (2-4), which of two or three stated tower heights is largest, the sum of two
+stated numbers (1-9 each).
 """
 from __future__ import annotations
 
@@ -60,8 +62,7 @@ def _spread(rng: random.Random, b: Filler, ctx: int, n_chunks: int, facts: list[
 
 def majority_docs(rng: random.Random, b: Filler, ctx: int, n_chunks: int, times: int = 3) -> Parted:
     """"A shipment arrived in Oslo." `times` times, each in another chunk while chunks last, and once
-    to another city; ask which city received the most shipments. (With two other cities, one
-    shipment each, SmolLM2-135M gets 6 of 16 under `full`, about chance.)"""
+    to another city; ask which city received the most shipments."""
     city, other = rng.sample(CITIES, 2)
     facts = [f"A shipment arrived in {city}."] * times + [f"A shipment arrived in {other}."]
     return (_spread(rng, b, ctx, n_chunks, facts),

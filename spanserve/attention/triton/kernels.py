@@ -55,7 +55,9 @@ def attention_kernel(
     HAS_REPAIR: key_end_ptr holds each key's plus-segment end (plan.Repair.key_ends, parallel to
     the key slots); a query at t >= it reads the key as one of its context keys (plan.Repair), in
     a pass of its own before the others: scores times F_INV_T (1 / T), their result then one key
-    of logit T * log2-sum-exp + F_LOG_S. Tiles without a pair for the pass are skipped unread."""
+    of logit T * log2-sum-exp + F_LOG_S. Both passes read every tile of the program: skipping the
+    tiles without a pair for the pass (a block reduction and a branch per tile) made the kernel 17x
+    slower on an H100 (its loads no longer pipelined)."""
     HALF: tl.constexpr = D // 2
     BLOCK_Q: tl.constexpr = BLOCK_M // G
     desc = desc_ptr + tl.program_id(0) * NUM_FIELDS
@@ -124,65 +126,59 @@ def attention_kernel(
                     kk = k0 + tl.arange(0, BLOCK_N)
                     kin = kk < k1
                     if HAS_REPAIR:
-                        # the pass's (query, key) pairs: context ones in pass 0, the others in pass 1;
-                        # a tile with none is skipped before its K/V are read
+                        # the pass's (query, key) pairs: context ones in pass 0, the others in pass 1
                         kend = tl.load(key_end_ptr + key_base + kk, mask=kin, other=2147483647)
-                        ctx = t[:, None] >= kend[None, :]
                         if grp == 0:
-                            mine = ctx
+                            mine = t[:, None] >= kend[None, :]
                         else:
-                            mine = ctx == 0
-                        busy = tl.sum((mine & kin[None, :] & row_ok[:, None]).to(tl.int32)) > 0
+                            mine = t[:, None] < kend[None, :]
+                    slot = tl.load(key_slots_ptr + key_base + kk, mask=kin, other=0).to(tl.int64)
+                    v_ptrs = v_cache_ptr + slot[:, None] * stride_cs + kv_col[None, :]
+                    if K_SCRATCH:
+                        # Contiguous rows and no second index load: this is why the prerotation copies
+                        # zero spans too (the slot-list variant ran 4-7% slower on H100).
+                        k_row = (scratch_base + kk).to(tl.int64)
+                        k_ptrs = k_cache_ptr + k_row[:, None] * stride_cs + kv_col[None, :]
                     else:
-                        busy = True
-                    if busy:
-                        slot = tl.load(key_slots_ptr + key_base + kk, mask=kin, other=0).to(tl.int64)
-                        v_ptrs = v_cache_ptr + slot[:, None] * stride_cs + kv_col[None, :]
-                        if K_SCRATCH:
-                            # Contiguous rows and no second index load: this is why the prerotation copies
-                            # zero spans too (the slot-list variant ran 4-7% slower on H100).
-                            k_row = (scratch_base + kk).to(tl.int64)
-                            k_ptrs = k_cache_ptr + k_row[:, None] * stride_cs + kv_col[None, :]
-                        else:
-                            k_ptrs = k_cache_ptr + slot[:, None] * stride_cs + kv_col[None, :]
-                        kt = tl.load(k_ptrs, mask=kin[:, None], other=0.0)
-                        if HAS_DELTA:
-                            dl = tl.load(tile_delta_ptr + j)
-                            if dl != cur:
-                                # A new span: rotate the queries once for all of its tiles.
-                                ang = dl.to(tl.float32) * freq
-                                c = tl.cos(ang)[None, :]
-                                sn = (tl.sin(ang) * sign)[None, :]
-                                if KEEP_Q:
-                                    qc = (q.to(tl.float32) * c + q_sw.to(tl.float32) * sn).to(q.dtype)
-                                else:
-                                    # Re-read (L2) rather than held: at BLOCK_M = 128 a second and third
-                                    # [BLOCK_M, D] operand in registers spill inside this loop.
-                                    qa = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-                                    qs = tl.load(swap_ptrs, mask=row_ok[:, None], other=0.0)
-                                    qc = (qa.to(tl.float32) * c + qs.to(tl.float32) * sn).to(qa.dtype)
-                                cur = dl
-                            s = tl.dot(qc, tl.trans(kt), input_precision=PREC)
-                        else:
-                            s = tl.dot(q, tl.trans(kt), input_precision=PREC)
-                        s = s * qk_scale
-                        if HAS_REPAIR:
-                            if grp == 0:
-                                s = s * inv_t
-                            s = tl.where(mine, s, float("-inf"))
-                        full = (k0 >= f_lo) & (k0 + BLOCK_N <= tl.minimum(k1, f_hi))
-                        if not full:
-                            vis = kk[None, :] <= t[:, None]
-                            if HAS_PLUS:
-                                vis = ((kk[None, :] >= seg[:, None]) & vis) | (kk[None, :] < anc[:, None])
-                            s = tl.where(vis & kin[None, :], s, float("-inf"))
-                        m_new = tl.maximum(m_i, tl.max(s, 1))
-                        alpha = tl.exp2(m_i - m_new)
-                        p = tl.exp2(s - m_new[:, None])
-                        l_i = l_i * alpha + tl.sum(p, 1)
-                        v = tl.load(v_ptrs, mask=kin[:, None], other=0.0)
-                        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-                        m_i = m_new
+                        k_ptrs = k_cache_ptr + slot[:, None] * stride_cs + kv_col[None, :]
+                    kt = tl.load(k_ptrs, mask=kin[:, None], other=0.0)
+                    if HAS_DELTA:
+                        dl = tl.load(tile_delta_ptr + j)
+                        if dl != cur:
+                            # A new span: rotate the queries once for all of its tiles.
+                            ang = dl.to(tl.float32) * freq
+                            c = tl.cos(ang)[None, :]
+                            sn = (tl.sin(ang) * sign)[None, :]
+                            if KEEP_Q:
+                                qc = (q.to(tl.float32) * c + q_sw.to(tl.float32) * sn).to(q.dtype)
+                            else:
+                                # Re-read (L2) rather than held: at BLOCK_M = 128 a second and third
+                                # [BLOCK_M, D] operand in registers spill inside this loop.
+                                qa = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+                                qs = tl.load(swap_ptrs, mask=row_ok[:, None], other=0.0)
+                                qc = (qa.to(tl.float32) * c + qs.to(tl.float32) * sn).to(qa.dtype)
+                            cur = dl
+                        s = tl.dot(qc, tl.trans(kt), input_precision=PREC)
+                    else:
+                        s = tl.dot(q, tl.trans(kt), input_precision=PREC)
+                    s = s * qk_scale
+                    if HAS_REPAIR:
+                        if grp == 0:
+                            s = s * inv_t
+                        s = tl.where(mine, s, float("-inf"))
+                    full = (k0 >= f_lo) & (k0 + BLOCK_N <= tl.minimum(k1, f_hi))
+                    if not full:
+                        vis = kk[None, :] <= t[:, None]
+                        if HAS_PLUS:
+                            vis = ((kk[None, :] >= seg[:, None]) & vis) | (kk[None, :] < anc[:, None])
+                        s = tl.where(vis & kin[None, :], s, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
+                    alpha = tl.exp2(m_i - m_new)
+                    p = tl.exp2(s - m_new[:, None])
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                    v = tl.load(v_ptrs, mask=kin[:, None], other=0.0)
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+                    m_i = m_new
         if HAS_REPAIR and grp == 0:
             has = l_i > 0.0
             l_c = tl.where(has, l_i, 1.0)
