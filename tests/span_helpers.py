@@ -39,3 +39,13 @@ def run_all(engine: LLMEngine, prompts, params=ONE, namespace="", policy=None) -
     while engine.has_unfinished():
         engine.step()
     return ids
+
+
+def assert_cold_and_warm(engine: LLMEngine, segs, ref: torch.Tensor, policy=None) -> None:
+    """The layout's prompt-end logits equal `ref` when it runs cold and again warm, and every block
+    is free afterwards."""
+    seen = capture_logits(engine)
+    cold, warm = run_all(engine, [segs], policy=policy) + run_all(engine, [segs], policy=policy)
+    for rid in (cold, warm):
+        torch.testing.assert_close(seen[rid].double(), ref, rtol=0, atol=1e-4)
+    assert engine.pool.num_free == engine.pool.num_blocks

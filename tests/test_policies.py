@@ -9,7 +9,7 @@ from spanserve.model.loader import load_model
 from spanserve.reuse.policies import FULL, NONE, CacheBlend, Sinks, SparseQ, resolve_policy
 from dense_reference import Dense, policy_logits
 from engine_helpers import make_engine
-from span_helpers import capture_logits, run_all
+from span_helpers import assert_cold_and_warm, run_all
 from test_span_layouts import layouts
 from tiny_models import make_tiny_model
 
@@ -57,11 +57,7 @@ def test_sink_anchor_and_sink_tokens_match_dense_cold_and_warm(tiny, bs, segs, p
     loaded, dense = tiny
     engine = make_engine(loaded, block_size=bs, num_blocks=2048, sink_prefix=SINK)
     ref = reference(dense, segs, policy, bs)
-    seen = capture_logits(engine)
-    cold, warm = run_all(engine, [segs], policy=policy) + run_all(engine, [segs], policy=policy)
-    for rid in (cold, warm):
-        torch.testing.assert_close(seen[rid].double(), ref, rtol=0, atol=1e-4)
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert_cold_and_warm(engine, segs, ref, policy)
 
 
 def test_sink_anchored_segment_is_one_copy_across_requests(tiny):
@@ -98,11 +94,7 @@ def test_policies_match_dense_cold_and_warm(tiny, bs, segs, policy):
     loaded, dense = tiny
     engine = make_engine(loaded, block_size=bs, num_blocks=2048)
     ref = policy_logits(dense, resolve(segs, None, "none"), policy, bs)
-    seen = capture_logits(engine)
-    cold, warm = run_all(engine, [segs], policy=policy) + run_all(engine, [segs], policy=policy)
-    for rid in (cold, warm):
-        torch.testing.assert_close(seen[rid].double(), ref, rtol=0, atol=1e-4)
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert_cold_and_warm(engine, segs, ref, policy)
 
 
 def test_names_and_objects_resolve():

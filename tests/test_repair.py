@@ -13,7 +13,7 @@ from spanserve.model.loader import load_model
 from spanserve.reuse.policies import FULL, NONE, CacheBlend, Policy, Sinks, SparseQ, resolve_policy
 from dense_reference import Dense, policy_logits
 from engine_helpers import make_engine
-from span_helpers import capture_logits, run_all
+from span_helpers import assert_cold_and_warm, capture_logits, run_all
 from test_span_layouts import layouts
 from tiny_models import make_tiny_model
 
@@ -47,11 +47,7 @@ def test_repaired_policies_match_dense_cold_and_warm(tiny, bs, segs, base, tl):
     policy = replace(base, temperature=tl[0], log_scale=tl[1])
     engine = make_engine(loaded, block_size=bs, num_blocks=2048)
     ref = reference(dense, segs, policy, bs)
-    seen = capture_logits(engine)
-    cold, warm = run_all(engine, [segs], policy=policy) + run_all(engine, [segs], policy=policy)
-    for rid in (cold, warm):
-        torch.testing.assert_close(seen[rid].double(), ref, rtol=0, atol=1e-4)
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert_cold_and_warm(engine, segs, ref, policy)
 
 
 def test_decode_steps_read_segments_repaired(tiny):
