@@ -50,11 +50,11 @@ BACKENDS = {
 
 
 @pytest.mark.parametrize("mode", sorted(BACKENDS))
-@pytest.mark.parametrize("seed", range(7))
+@pytest.mark.parametrize("seed", range(5))
 def test_padded_step_matches_reference(mode: str, seed: int) -> None:
-    """Seeds 5 and 6: some rows read their plus segments repaired (plan.Repair)."""
+    """Seeds 3 and 4: some rows read their plus segments repaired (plan.Repair)."""
     rng = random.Random(300 + seed)
-    case = _case(rng, n_rows=rng.randint(1, 5), plus=seed % 2 == 1, max_keys=200, repair=seed >= 5)
+    case = _case(rng, n_rows=rng.randint(1, 5), plus=seed % 2 == 1, max_keys=200, repair=seed >= 3)
     backend = BACKENDS[mode]()
     H, KVH = 4, 2
     static = backend.static_steps(H // KVH, KVH, Rotary(D, 10000.0, None, torch.device("cpu")).inv_freq,

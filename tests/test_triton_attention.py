@@ -149,12 +149,12 @@ def test_random_layouts_match_reference(mode: str, G: int, seed: int) -> None:
 
 
 @pytest.mark.parametrize("mode", sorted(BACKENDS))
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(2))
 def test_repaired_rows_match_reference(mode: str, seed: int) -> None:
     """Rows whose plus segments are read with a temperature and log scale (plan.Repair), beside
     rows without, prefill and decode launches, split or not, prerotated or fused."""
     rng = random.Random(500 + seed)
-    case = _case(rng, n_rows=rng.randint(2, 6), plus=seed == 2, max_keys=200, repair=True)
+    case = _case(rng, n_rows=rng.randint(2, 6), plus=seed == 1, max_keys=200, repair=True)
     _run(case, H=6, KVH=2, dtype=torch.float32, backend=BACKENDS[mode](), seed=seed)
 
 
