@@ -39,7 +39,7 @@ def reference(dense, segs, policy, bs, generated=()):
 
 
 @pytest.mark.parametrize("bs", [4, 16])
-@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck),
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck),
           phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(segs=layouts(vocab=256), base=bases, tl=repairs)
 def test_repaired_policies_match_dense_cold_and_warm(tiny, bs, segs, base, tl):
