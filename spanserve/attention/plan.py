@@ -1,6 +1,7 @@
 """Per-step attention metadata: plain data handed from the model runner to a backend."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -36,6 +37,15 @@ class Repair(NamedTuple):
         """Boolean [nq, n]: which (query, key) scores the repair changes."""
         ends = torch.from_numpy(self.key_ends(n).astype(np.int64)).to(q_pos.device)
         return q_pos[:, None] >= ends[None, :]
+
+
+def key_ends_of(repairs: "Sequence[Repair | None]", n_keys: "Sequence[int]") -> np.ndarray | None:
+    """The step's per-key segment ends (int32), rows' keys in order: each row's `Repair.key_ends`,
+    NEVER for a row without one; None when no row has one."""
+    if all(r is None for r in repairs):
+        return None
+    return np.concatenate([np.full(n, NEVER, dtype=np.int32) if r is None else r.key_ends(n)
+                           for r, n in zip(repairs, n_keys)])
 
 
 class HostRow(NamedTuple):

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from spanserve.attention.decode import DecodeRows
-from spanserve.attention.plan import NEVER
+from spanserve.attention.plan import key_ends_of
 from spanserve.attention.triton.descriptors import (
     F_INV_T,
     F_KEY_BASE,
@@ -163,9 +163,9 @@ def write_step(host: HostArrays, rows: DecodeRows, spans: "DecodeSpans | PlainSp
     whether some tile rotates (fused delta). `index`: arange of at least the longest row's keys
     (int32), which tile starts are slices of. Rows with a repair also fill `key_end`."""
     if rows.repairs is not None:
-        n_keys = [p + 1 for p in rows.pos]
-        np.concatenate([np.full(k, NEVER, dtype=np.int32) if r is None else r.key_ends(k)
-                        for r, k in zip(rows.repairs, n_keys)], out=host.key_end[:sum(n_keys)])
+        ends = key_ends_of(rows.repairs, [p + 1 for p in rows.pos])
+        if ends is not None:
+            host.key_end[:len(ends)] = ends
     if isinstance(spans, PlainSpans):
         write_plain(host, rows, spans, block_n, ways)
         return False

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from spanserve.attention.host_plan import HostPlan
+from spanserve.attention.plan import key_ends_of
 from spanserve.attention.paths import RowPath, row_path
 from spanserve.attention.triton.graph_buffers import carve, grown, pack_offsets
 from spanserve.attention.triton.launch import (
@@ -47,7 +48,6 @@ from spanserve.attention.triton.launch import (
     decode_split,
     empty_launch,
     host_rows,
-    key_end_array,
 )
 
 _TILE_FIELDS = [F_PART0 + 2, F_PART0 + 3, F_PART0 + 6, F_PART0 + 7]
@@ -169,7 +169,7 @@ class StaticSteps:
         n = buf.regions.keys_offset + 4 * n_keys
         buf.dev_buf[:n].copy_(buf.host[i][:n], non_blocking=True)
         if shape.repaired:
-            a["key_end"][:n_keys] = key_end_array(plan.rows)
+            a["key_end"][:n_keys] = key_ends_of([h.repair for h in plan.rows], [len(h.key_slots) for h in plan.rows])
             e = slice(buf.regions.ends_offset, buf.regions.ends_offset + 4 * n_keys)
             buf.dev_buf[e].copy_(buf.host[i][e], non_blocking=True)
         self._unfenced = (buf, i)

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 import torch
 
 from spanserve.attention.paths import RowPath, row_path
-from spanserve.attention.plan import NEVER, AttentionPlan, HostRow, Repair
+from spanserve.attention.plan import AttentionPlan, HostRow, Repair, key_ends_of
 from spanserve.attention.triton.descriptors import (F_INV_T, F_KEY_BASE, F_LOC0, F_LOG_S, F_MAX_SEG, F_MIN_ANCHOR,
                                                     F_MIN_T, F_PART0, F_SCRATCH_BASE, F_TOK0, F_TOK1, NUM_FIELDS,
                                                     describe_decodes, repair_fields, shares_in_order, simple_decodes)
@@ -257,21 +256,8 @@ def build_layout(plan: AttentionPlan, inv_freq: torch.Tensor) -> StepLayout:
     )
 
 
-def key_end_array(rows: Sequence[Any]) -> np.ndarray | None:
-    """The step's per-key segment ends (int32, rows' keys in order), None when no row repairs.
-    `rows`: anything with n_keys (or key_slots) and repair."""
-    if all(r.repair is None for r in rows):
-        return None
-    return np.concatenate([r.repair.key_ends(_n_keys(r)) if r.repair is not None
-                           else np.full(_n_keys(r), NEVER, dtype=np.int32) for r in rows])
-
-
-def _n_keys(r: Any) -> int:
-    return r.n_keys if hasattr(r, "n_keys") else len(r.key_slots)
-
-
 def key_ends(rows: list[_RowHost], dev: torch.device) -> torch.Tensor | None:
-    a = key_end_array(rows)
+    a = key_ends_of([r.repair for r in rows], [r.n_keys for r in rows])
     return None if a is None else torch.from_numpy(a).to(dev)
 
 
