@@ -171,7 +171,7 @@ def test_8b_split_decode_graphs_match_split_eager_over_16k_keys(model_8b):
                         num_blocks=n_ctx // 16 + 64, backend=TritonBackend(), cuda_graphs=graphs)
         toks[graphs] = run_to_end(eng, [prompt], params)[0]
         if graphs:
-            ways = sorted(w for _, w in eng.executor.graphs.buffers[1].static._layouts)
+            ways = sorted(w for _, w, _ in eng.executor.graphs.buffers[1].static._layouts)
         eng.shutdown()
         del eng
         release()
