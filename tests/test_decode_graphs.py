@@ -48,8 +48,9 @@ def _prompts(gen: torch.Generator, vocab: int) -> list:
 
 
 def _run(engine: LLMEngine, prompts: list, policy=None) -> list[list[int]]:
-    reqs = [engine.add_request(p, SamplingParams(max_tokens=6 + 5 * i, temperature=0, ignore_eos=True), policy=policy)
-            for i, p in enumerate(prompts)]  # different lengths: the batch shrinks as they finish
+    # 3, 5, 7, 9 tokens: the batch shrinks as they finish, two decode steps at each size
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True), policy=policy)
+            for i, p in enumerate(prompts)]
     while engine.has_unfinished():
         engine.step()
     return [r.output_token_ids for r in reqs]
@@ -71,7 +72,7 @@ def test_fixed_buffer_decode_matches_eager_reference(tmp_path, split: int) -> No
     graphs.capacity = 64  # small, so the buffers must grow while the rows get longer
     want = _run(ref, prompts)
     assert _run(fixed, prompts) == want
-    assert graphs.replays >= 20  # every decode-only step took the fixed-buffer path
+    assert graphs.replays >= 8  # every decode-only step took the fixed-buffer path
     assert sorted(graphs.buffers) == [1, 2, 4]  # one set per padded batch size seen (3 rows pad to 4)
     assert graphs.buffers[4].static.capacity > 64
     # warm: the documents come back from the cache at new positions (non-zero deltas in decode)
@@ -94,7 +95,8 @@ def test_fixed_buffer_decode_reads_segments_repaired(tmp_path) -> None:
     graphs = fixed.executor.graphs
     assert _run(fixed, prompts, policy) == _run(ref, prompts, policy)
     assert _run(fixed, prompts[::-1], policy) == _run(ref, prompts[::-1], policy)
-    assert any(r for b in graphs.buffers.values() for _, _, r in b.static._layouts)  # repaired steps replayed
+    # repaired steps replayed, cut into split shares
+    assert any(r and w > 1 for b in graphs.buffers.values() for _, w, r in b.static._layouts)
 
 
 def test_eager_engine_has_no_graphs_on_cpu(tmp_path) -> None:
