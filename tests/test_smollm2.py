@@ -14,7 +14,8 @@ PROMPTS = [
     "Once upon a time, in a small village,",
     "<|im_start|>user\nName a primary color.<|im_end|>\n<|im_start|>assistant\n",
 ]
-N_NEW = 32
+N_NEW = 16  # every prompt's generation still crosses a 16-token block
+ALONE = (0, 4)  # the shortest prompt and the chat-template one, each also run alone
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +37,8 @@ def test_greedy_equals_transformers_batched_and_alone(hf_and_llm):
         refs.append(out[0, len(p):].tolist())
     batched = llm.generate(prompts, params)
     assert [o.token_ids for o in batched] == refs
-    alone = [llm.generate(p, params)[0].token_ids for p in prompts]
-    assert alone == refs
+    alone = [llm.generate(prompts[i], params)[0].token_ids for i in ALONE]
+    assert alone == [refs[i] for i in ALONE]
 
 
 def test_final_logits_within_1e_3(hf_and_llm):
