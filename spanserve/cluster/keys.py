@@ -28,9 +28,9 @@ def load_tokenizer(model: str) -> Any:
     if path.suffix == ".gguf":
         from gguf import GGUFReader
 
-        from spanserve.model.loader import _gguf_tokenizer
+        from spanserve.model.gguf_file import gguf_tokenizer
 
-        return _gguf_tokenizer(GGUFReader(str(path)), path)
+        return gguf_tokenizer(GGUFReader(str(path)), path)
     if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer
