@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from spanserve.engine.upload import row_index, upload
+
 if TYPE_CHECKING:
     from spanserve.engine.params import SamplingParams
 
@@ -66,17 +68,16 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
         return logits
     if histories is None:
         histories = [((), ())] * len(params)
-    sub = logits[rows].clone() if len(rows) < len(params) else logits.clone()
+    idx = row_index(rows, logits.device) if len(rows) < len(params) else None
+    sub = logits.index_select(0, idx) if idx is not None else logits.clone()
     chosen = [params[i] for i in rows]
     hist = [histories[i] for i in rows]
     _add_bias(sub, chosen)
     _repetition(sub, chosen, hist)
     _frequency_presence(sub, chosen, hist)
-    if len(rows) == len(params):
+    if idx is None:
         return sub
-    out = logits.clone()
-    out[rows] = sub
-    return out
+    return logits.index_copy(0, idx, sub)
 
 
 def _pairs(seqs: Sequence[Sequence[int]], rows: Sequence[int], vocab: int,
@@ -95,7 +96,7 @@ def _pairs(seqs: Sequence[Sequence[int]], rows: Sequence[int], vocab: int,
 
 
 def _index(rows: np.ndarray, ids: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.from_numpy(rows).to(device), torch.from_numpy(ids).to(device)
+    return upload(rows, torch.long, device), upload(ids, torch.long, device)
 
 
 def _add_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -104,7 +105,7 @@ def _add_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
         return
     rows = np.concatenate([np.full(len(b), r, dtype=np.int64) for r, b in biased])
     ids = np.concatenate([np.fromiter(b.keys(), dtype=np.int64, count=len(b)) for _, b in biased])
-    vals = torch.tensor([v for _, b in biased for v in b.values()], dtype=x.dtype, device=x.device)
+    vals = upload([v for _, b in biased for v in b.values()], x.dtype, x.device)
     r, t = _index(rows, ids, x.device)
     x.index_put_((r, t), vals, accumulate=True)
 
@@ -120,7 +121,7 @@ def _repetition(x: torch.Tensor, params: Sequence[SamplingParams], hist: Histori
     rows, ids = _pairs(seqs, sel, x.shape[1], unique=True)  # each logit scaled once
     if not len(ids):
         return
-    pen = torch.tensor([p.repetition_penalty for p in params], dtype=x.dtype, device=x.device)
+    pen = upload([p.repetition_penalty for p in params], x.dtype, x.device)
     r, t = _index(rows, ids, x.device)
     vals = x[r, t]
     per = pen[r]
@@ -133,8 +134,8 @@ def _frequency_presence(x: torch.Tensor, params: Sequence[SamplingParams], hist:
         return
     seqs = [hist[r][1] for r in sel]
     dev = x.device
-    freq = torch.tensor([p.frequency_penalty for p in params], dtype=x.dtype, device=dev)
-    pres = torch.tensor([p.presence_penalty for p in params], dtype=x.dtype, device=dev)
+    freq = upload([p.frequency_penalty for p in params], x.dtype, dev)
+    pres = upload([p.presence_penalty for p in params], x.dtype, dev)
     rows, ids = _pairs(seqs, sel, x.shape[1], unique=False)  # once per occurrence
     if len(ids):
         r, t = _index(rows, ids, dev)

@@ -24,6 +24,7 @@ import torch
 from spanserve.engine.params import SamplingParams
 from spanserve.engine.penalties import Histories, apply_penalties
 from spanserve.engine.structured import TokenMask
+from spanserve.engine.upload import row_index, upload
 
 
 @dataclass
@@ -58,7 +59,7 @@ def _filter_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     """Filtered, renormalized probabilities for float32 logits [B, V] of sampled rows."""
     vocab = logits.shape[-1]
     dev = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    temperature = upload([p.temperature for p in params], torch.float32, dev)
     # Shift by the row max before scaling: huge logits over a small temperature
     # would otherwise overflow to inf, and softmax would turn inf - inf into NaN.
     x = (logits - logits.amax(dim=-1, keepdim=True)) / temperature[:, None]
@@ -67,7 +68,7 @@ def _filter_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     if any(ks):
         # Thresholding the raw logits rather than x: same order (temperature > 0),
         # but no rounding from the division can merge or split ties.
-        k = torch.tensor(ks, dtype=torch.long, device=dev)
+        k = upload(ks, torch.long, dev)
         topv = torch.topk(logits, max(ks), dim=-1).values
         kth = topv.gather(1, (k.clamp_min(1) - 1)[:, None])
         kth = torch.where(k[:, None] > 0, kth, float("-inf"))
@@ -77,17 +78,17 @@ def _filter_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
 
     p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if p_rows:
-        top_p = torch.tensor([params[i].top_p for i in p_rows], dtype=torch.float32, device=dev)
-        sub = probs if len(p_rows) == len(params) else probs[p_rows]
-        thresh = _top_p_threshold(sub, top_p)
+        top_p = upload([params[i].top_p for i in p_rows], torch.float32, dev)
         if len(p_rows) == len(params):
-            probs = probs.masked_fill(probs < thresh, 0.0)
+            probs = probs.masked_fill(probs < _top_p_threshold(probs, top_p), 0.0)
         else:
-            probs[p_rows] = sub.masked_fill(sub < thresh, 0.0)
+            idx = row_index(p_rows, dev)
+            sub = probs.index_select(0, idx)
+            probs.index_copy_(0, idx, sub.masked_fill(sub < _top_p_threshold(sub, top_p), 0.0))
 
     if any(p.min_p > 0.0 for p in params):
         # Renormalizing does not change ratios to the max, so no need to do it first.
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        min_p = upload([p.min_p for p in params], torch.float32, dev)
         pmax = probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < min_p[:, None] * pmax, 0.0)
 
@@ -175,7 +176,8 @@ def _uniforms(shape: torch.Size, device: torch.device,
         u[i].uniform_(generator=generators[i])
     if len(seeded) < len(generators):
         free = [i for i, g in enumerate(generators) if g is None]
-        u[free] = torch.empty((len(free), shape[-1]), dtype=torch.float64, device=device).uniform_()
+        u.index_copy_(0, row_index(free, device),
+                      torch.empty((len(free), shape[-1]), dtype=torch.float64, device=device).uniform_())
     return u
 
 
@@ -231,9 +233,10 @@ class Sampler:
         if len(sampled_rows) == batch:
             return self._sample(logits, params, generators)
         tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
-        tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
-        tokens[sampled_rows] = self._sample(logits[sampled_rows], [params[i] for i in sampled_rows],
-                                            [generators[i] for i in sampled_rows])
+        greedy, sampled = row_index(greedy_rows, logits.device), row_index(sampled_rows, logits.device)
+        tokens.index_copy_(0, greedy, logits.index_select(0, greedy).argmax(dim=-1))
+        tokens.index_copy_(0, sampled, self._sample(logits.index_select(0, sampled), [params[i] for i in sampled_rows],
+                                                    [generators[i] for i in sampled_rows]))
         return tokens
 
     @staticmethod
@@ -265,9 +268,11 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
             return None
-        all_rows = len(rows) == len(params)
-        lp = torch.log_softmax(logits if all_rows else logits[rows], dim=-1)
-        chosen = lp.gather(1, (picked if all_rows else picked[rows])[:, None])[:, 0]
+        if len(rows) < len(params):
+            idx = row_index(rows, logits.device)
+            logits, picked = logits.index_select(0, idx), picked.index_select(0, idx)
+        lp = torch.log_softmax(logits, dim=-1)
+        chosen = lp.gather(1, picked[:, None])[:, 0]
         n_max = min(max(params[i].logprobs or 0 for i in rows), lp.shape[-1])
         top = torch.topk(lp, n_max, dim=-1)  # sorted, highest first
         return LogprobTensors(rows, n_max, chosen, top.values, top.indices)
