@@ -17,7 +17,8 @@ from tiny_models import make_tiny_model  # noqa: E402
 from spanserve.attention.reference import ReferenceBackend  # noqa: E402
 from spanserve.attention.triton import LaunchConfig, TritonBackend  # noqa: E402
 from spanserve.attention.triton.graph_decode import StaticDecode  # noqa: E402
-from spanserve.attention.triton.launch import SplitPolicy, build_layout  # noqa: E402
+from spanserve.attention.triton.launch import build_layout  # noqa: E402
+from spanserve.attention.triton.split import SplitPolicy  # noqa: E402
 from spanserve.cache.claim import Task  # noqa: E402
 from spanserve.cache.table import Entry  # noqa: E402
 from spanserve.attention.decode import DecodeRows  # noqa: E402

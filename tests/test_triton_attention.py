@@ -319,7 +319,7 @@ def test_reposition_then_attend_equals_deferred_rotation() -> None:
 
 
 def test_split_ways_follow_programs_and_tiles() -> None:
-    from spanserve.attention.triton.launch import SplitPolicy, decode_split
+    from spanserve.attention.triton.split import SplitPolicy, decode_split
     p = SplitPolicy(33)  # 264 programs over 8 KV heads: two per SM of an H100
     assert p.ways(16, None) == 3  # prefill launches round up
     assert decode_split(p).ways(16, None) == 2  # decodes round down: 256 programs, one wave
@@ -365,7 +365,8 @@ def test_decode_rows_described_over_arrays_as_row_by_row(ways_target: int) -> No
     """A launch of decode rows (one causal query at the row's last key, deltas in runs) is
     described with arrays; it equals the row-by-row description, splits included."""
     from spanserve.attention.triton.descriptors import describe_decodes as _describe_decodes
-    from spanserve.attention.triton.launch import SplitPolicy, _describe_host, _describe_rows, _RowHost
+    from spanserve.attention.triton.launch import _describe_host, _describe_rows, _RowHost
+    from spanserve.attention.triton.split import SplitPolicy
 
     rng = np.random.default_rng(ways_target)
     for _ in range(40):

@@ -24,7 +24,8 @@ from spanserve.attention.triton.kernels import (
     reposition_kernel,
     rotate_keys_kernel,
 )
-from spanserve.attention.triton.launch import NUM_FIELDS, Launch, Prerotation, SplitPolicy, StepLayout, build_layout
+from spanserve.attention.triton.launch import NUM_FIELDS, Launch, Prerotation, StepLayout, build_layout
+from spanserve.attention.triton.split import SplitPolicy
 from spanserve.rope import Rotary
 
 

@@ -20,7 +20,8 @@ import torch
 from spanserve.attention.decode import DecodeRows
 from spanserve.attention.triton.decode_launch import HostArrays, spans_of, write_step
 from spanserve.attention.triton.graph_buffers import carve, grown, pack_offsets
-from spanserve.attention.triton.launch import NUM_FIELDS, Launch, SplitPolicy, StepLayout, decode_split, empty_launch
+from spanserve.attention.triton.launch import NUM_FIELDS, Launch, StepLayout, empty_launch
+from spanserve.attention.triton.split import SplitPolicy, decode_split
 
 
 class Regions:

@@ -41,14 +41,13 @@ from spanserve.attention.triton.launch import (
     HostLaunch,
     Launch,
     Prerotation,
-    SplitPolicy,
     StepLayout,
     _describe_host,
     _RowHost,
-    decode_split,
     empty_launch,
     host_rows,
 )
+from spanserve.attention.triton.split import SplitPolicy, decode_split
 
 _TILE_FIELDS = [F_PART0 + 2, F_PART0 + 3, F_PART0 + 6, F_PART0 + 7]
 
