@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from spanserve.cluster import routing
-from spanserve.cluster.keys import KeyMaker, load_tokenizer
+from spanserve.cluster.keys import KeyMaker
 from spanserve.engine.engine import LLMEngine
 from spanserve.engine.layout import Segment
+from spanserve.model.loader import load_tokenizer
 from engine_helpers import make_engine
 from tiny_models import make_tiny_model
 

@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from spanserve.cluster.asgi import HTTPCall, HTTPHead, run_asgi
 from spanserve.cluster.forward import error_response, relay_stream
-from spanserve.cluster.keys import KeyMaker, load_tokenizer
+from spanserve.cluster.keys import KeyMaker
 from spanserve.cluster.ray_router import SegmentRequestRouter
 from spanserve.cluster.routing import RouteKey
 from spanserve.engine.config import EngineConfig
@@ -151,6 +151,8 @@ class Gateway:
         self.retries = opts.retries
         self.max_body_bytes = RequestLimits().max_body_bytes  # the replicas' own limit, checked here first
         config = opts.engine_config()
+        from spanserve.model.loader import load_tokenizer  # the replicas' own: what they tokenize with
+
         tok = load_tokenizer(opts.model)
         setup = resolve_chat_setup(template_text(tok), opts.chat_template, opts.tool_call_parser)
         self.keys = KeyMaker(tok, config.cache.block_size, str(config.scheduler.default_policy), setup.template)

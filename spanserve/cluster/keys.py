@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import urllib.parse
-from pathlib import Path
 from typing import Any
 
 from spanserve.cache.claim import Piece
@@ -18,24 +17,6 @@ from spanserve.cluster.routing import RouteKey, layout_keys, plus_key, prefix_ke
 from spanserve.engine.layout import Segment, resolve
 from spanserve.reuse.policies import resolve_policy
 from spanserve.toolcall.spec import parse_tools
-
-
-def load_tokenizer(model: str) -> Any:
-    """The model's tokenizer alone (no weights): what the gateway tokenizes with."""
-    from spanserve.model.loader import resolve_model
-
-    path = resolve_model(model)
-    if path.suffix == ".gguf":
-        from gguf import GGUFReader
-
-        from spanserve.model.gguf_file import gguf_tokenizer
-
-        return gguf_tokenizer(GGUFReader(str(path)), path)
-    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 class KeyMaker:
