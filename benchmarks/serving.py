@@ -45,11 +45,12 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # this checkout's spanserve
-from common import format_table, write_json  # noqa: E402
+from common import write_json  # noqa: E402
 from common import serving_model, serving_offline  # noqa: E402
 from common.serving_load import (RagShape, Request, chat_requests, rag_corpus, rag_requests, roofline,  # noqa: E402
                                  run_load, stats_diff, summarize, sustained)
 from common.serving_model import FIRST_WORD, SPECIAL_BASE  # noqa: E402
+from common.serving_report import report  # noqa: E402
 from common.sharegpt import bound_fraction, fixed_batch, print_summary, sharegpt_requests, vllm_summary  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -166,20 +167,16 @@ class Driver:
 
     def sharegpt(self, server: Server) -> list[Request]:
         """Warm-up, the fixed batches of the decode roofline, then the ShareGPT load."""
-        a, prep = self.args, self.result["model"]
+        a = self.args
         mk = lambda seed, n: sharegpt_requests(seed, n, MODEL, FIRST_WORD, self.words)  # noqa: E731
         self.load(server, mk(7, a.sharegpt_warmup), math.inf, 7)  # JIT compiles, graph captures
         roof: dict[str, float | None] = {}
         samples: dict[str, list[float]] = {}
         for batch in a.roofline_batches:
-            run_load(server.url, fixed_batch(40 + batch, batch, MODEL, FIRST_WORD, self.words), math.inf)
-            got = samples[str(batch)] = []
-            for i in range(a.roofline_repeats):  # consecutive runs differ by up to 2.5 points
-                before = server.decode_stats()
-                run_load(server.url, fixed_batch(50 + batch + i, batch, MODEL, FIRST_WORD, self.words), math.inf)
-                steps = stats_diff(server.decode_stats(), before).get(str(batch))
-                got += [] if steps is None else [bound_fraction(steps, prep["weight_bytes"],
-                                                                prep["kv_bytes_per_token"], prep["copy_gbps"])]
+            self._fixed_batch(server, batch, 40)  # unmeasured: its first step captures its graphs
+            # consecutive runs differ by up to 2.5 points: the median of several
+            got = samples[str(batch)] = [f for i in range(a.roofline_repeats)
+                                         if (f := self._fixed_batch(server, batch, 50 + i)) is not None]
             roof[str(batch)] = statistics.median(got) if got else None
             print(f"  decode batch {batch}: {roof[str(batch)] or 0:.1%} of the bandwidth bound (median of "
                   f"{', '.join(f'{x:.1%}' for x in got)})", flush=True)
@@ -191,6 +188,16 @@ class Driver:
         self.result["decode_roofline_samples"] = samples
         self.save()
         return reqs
+
+    def _fixed_batch(self, server: Server, batch: int, seed: int) -> float | None:
+        """Runs `batch` equal requests at once: the fraction of the bandwidth bound its decode-only
+        steps of exactly `batch` rows reached (None: it had none)."""
+        prep, before = self.result["model"], server.decode_stats()
+        run_load(server.url, fixed_batch(seed + batch, batch, MODEL, FIRST_WORD, self.words), math.inf)
+        steps = stats_diff(server.decode_stats(), before).get(str(batch))
+        if steps is None:
+            return None
+        return bound_fraction(steps, prep["weight_bytes"], prep["kv_bytes_per_token"], prep["copy_gbps"])
 
     def rag(self, server: Server) -> None:
         a = self.args
@@ -237,48 +244,6 @@ def offline(a: argparse.Namespace, sat: list[Request], warm: list[Request]) -> d
     return sh(["offline", str(a.model_dir), "--requests", str(tmp / "sat.json"), "--warmup", str(tmp / "warm.json"),
                *(["--max-num-seqs", str(a.max_num_seqs)] if a.max_num_seqs else []),
                *(["--kv-cache-memory", a.kv_cache_memory] if a.kv_cache_memory else [])], timeout=a.reserve + 40)
-
-
-def report(r: dict[str, Any]) -> None:
-    heads = ["load", "rate/s", "req/s", "out tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms",
-             "cached", "ok"]
-
-    def row(kind: str, x: dict[str, Any]) -> list[Any]:
-        return [kind, "sat" if x["offered_rate"] is None else x["offered_rate"], x["requests_per_s"],
-                x["output_tokens_per_s"], x["ttft_p50_s"], x["ttft_p99_s"], 1e3 * x["itl_p50_s"],
-                1e3 * x["itl_p99_s"], f"{x['cached_fraction']:.0%}", f"{x['ok']}/{x['requests']}"]
-
-    rows = [row("chat", x) for x in r.get("chat", [])]
-    rag = r.get("rag", {})
-    rows += [row(f"rag {m}", x) for m in ("span", "plain") for x in rag.get(m, [])]
-    print("\n" + format_table(heads, rows))
-    if "sharegpt" in r:
-        s = r["sharegpt"]
-        off = s.get("offline_output_tok_s")
-        print(f"\nShareGPT load: server {s['output_tok_s']:.0f} output tok/s, {s['requests_per_s']:.2f} req/s"
-              + (f"; offline engine {off:.0f} tok/s: server/offline = {s['output_tok_s'] / off:.1%}" if off else ""))
-        print("decode-only steps, fraction of the weights + KV bandwidth bound: " + ", ".join(
-            f"batch {b} {f:.0%}" if f is not None else f"batch {b} none" for b, f in r["decode_roofline"].items()))
-    if "offline" in r and r.get("chat"):
-        sat, off = r["chat"][-1], r["offline"]
-        print(f"\nsaturation, same {off['requests']} requests: server {sat['output_tokens_per_s']:.0f} output tok/s, "
-              f"offline engine {off['output_tokens_per_s']:.0f} tok/s: server/offline = "
-              f"{sat['output_tokens_per_s'] / off['output_tokens_per_s']:.1%}")
-    for name in ("server", "offline"):
-        roof = r.get("roofline", {}).get(name)
-        if roof:
-            print(f"\ndecode-only steps ({name}) against (weights + KV bytes) / {r['model']['copy_gbps']:.0f} GB/s:")
-            print(format_table(["batch", "steps", "mean batch", "step ms", "roofline ms", "of roofline"],
-                               [[x["batch"], x["steps"], x["mean_batch"], x["step_ms"], x["roofline_ms"],
-                                 f"{x['fraction_of_roofline']:.0%}"] for x in roof]))
-    sus = rag.get("sustained")
-    if sus:
-        s, p = sus.get("span"), sus.get("plain")
-        desc = lambda x: "none" if x is None else f"{x['rate']} req/s (p99 TTFT {x['ttft_p99_s']:.2f} s)" + (  # noqa: E731
-            ", highest rate tried" if x["capped"] else "")
-        print(f"\nRAG, highest Poisson rate with p99 TTFT <= {rag['slo_ttft_p99_s']} s: span layouts {desc(s)}; "
-              f"plain prompts {desc(p)}" + (f"; span/plain = {'>= ' if s['capped'] else ''}{s['rate'] / p['rate']:.1f}x"
-                                            if s and p else ""))
 
 
 def floats(text: str) -> list[float]:
