@@ -388,15 +388,3 @@ def test_argmax_rows_picks_the_first_maximum_as_argmax_does():
             assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
             x = torch.randn(B, V, generator=g)
             assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
-
-
-def test_upload_keeps_values_and_dtype() -> None:
-    import numpy as np
-
-    from spanserve.engine.upload import row_index, upload
-
-    cpu = torch.device("cpu")
-    assert torch.equal(upload([0.5, 2.0], torch.float32, cpu), torch.tensor([0.5, 2.0]))
-    assert torch.equal(upload(np.array([3, 1], dtype=np.int64), torch.long, cpu), torch.tensor([3, 1]))
-    idx = row_index([], cpu)
-    assert idx.dtype == torch.long and idx.numel() == 0
