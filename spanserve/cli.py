@@ -18,6 +18,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when present, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: linear weights in float8 e4m3 (scaled per output channel, activations per "
+                        "token); default: the checkpoint's own")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="auto: the model's dtype; fp8: float8 e4m3 with a scale per token and KV head "
+                        "(twice the tokens in the same memory)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "reference"],
                    help="auto: triton on CUDA, reference on CPU")
     p.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
@@ -84,7 +90,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     from spanserve.engine.config import EngineConfig
 
     config = EngineConfig.from_kwargs(
-        model=args.model, device=args.device, dtype=args.dtype, backend=args.attention_backend,
+        model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype, backend=args.attention_backend,
         enforce_eager=args.enforce_eager, fused_ops=args.fused_ops, overlap=False if args.no_overlap else None,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, default_policy=args.default_policy, pin_quota=args.pin_quota,

@@ -36,11 +36,15 @@ class ModelOptions:
     source: Any = "smollm2"
     device: str = "auto"  # auto | cpu | cuda | cuda:N (or another torch device)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # None: the checkpoint's own (an FP8 checkpoint stays FP8); fp8: linear weights quantized to
+    # float8 e4m3 at load, one scale per output channel, activations per token
+    quantization: str | None = None
 
 
 @dataclass(frozen=True)
 class CacheOptions:
     block_size: int = 16  # token slots per KV block
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: float8 e4m3 with a scale per token and KV head
     num_blocks: int | None = None  # None: as many as kv_cache_memory holds
     kv_cache_memory: int | None = None  # bytes; None: 80% of free GPU memory, 1 GiB on a CPU
     pin_fraction: float = 0.5  # share of the pool pinned segments may hold, all owners together

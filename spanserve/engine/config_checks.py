@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 REPOSITION_CHOICES = ("deferred", "eager")
 ON_FAILURE_CHOICES = ("raise", "exit")
 GRAPH_CHOICES = ("auto", True, False, "eager")
+QUANTIZATION_CHOICES = ("fp8",)
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8")
 
 
 def check_config(cfg: "EngineConfig") -> None:
@@ -40,10 +42,13 @@ def _model(m: "ModelOptions") -> None:
         except RuntimeError as e:
             raise ValueError(f"device {m.device!r} is not a device; use auto, cpu, cuda or cuda:N") from e
     _choice("dtype", m.dtype, DTYPE_CHOICES)
+    if m.quantization is not None:
+        _choice("quantization", m.quantization, QUANTIZATION_CHOICES, "(or None: the checkpoint's own weights)")
 
 
 def _cache(c: "CacheOptions") -> None:
     _int("block_size", c.block_size, 1)
+    _choice("kv_cache_dtype", c.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
     if c.num_blocks is not None:
         _int("num_blocks", c.num_blocks, 2, "a KV pool needs at least 2 blocks; raise num_blocks or leave it "
                                             "unset to size the pool by kv_cache_memory")
