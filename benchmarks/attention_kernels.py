@@ -209,7 +209,7 @@ def time_prefill() -> None:
     tb.attend(lay, torch.randn(N_LONG, H, D, device=DEV, dtype=TDT), kc, vc)
     from spanserve.attention.triton.backend import rotate_keys
     pre = [ln.prerotation for lns in lay._launches.values() for ln in lns if ln.prerotation is not None][0]
-    ms = bench(lambda: rotate_keys(kc, pre, lay.inv_freq))
+    ms = bench(lambda: rotate_keys(kc, pre, lay.inv_freq, kc.dtype))
     n = pre.src_slots.numel()
     RESULTS["timings"]["rotate_keys"] = {"keys": n, "ms": ms, "TBps": 2.0 * n * KVH * D * 2 / ms / 1e9}
     TABLE.append((f"prerotation pass, {n} keys (one layer)", f"{ms * 1e3:.1f} us, {2.0 * n * KVH * D * 2 / ms / 1e9:.2f} TB/s", ""))

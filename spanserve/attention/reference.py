@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from spanserve.attention.backend import AttentionBackend
+from spanserve.attention.kv_cache import read_rows, write_rows
 from spanserve.attention.plan import AttentionPlan
 from spanserve.rope import Rotary, apply_rotary
 
@@ -78,24 +79,22 @@ class ReferenceBackend(AttentionBackend):
         return _Group(q_index, q_valid, slots, mask, cos, sin, (changed, inv_t, log_s) if repaired else None)
 
     def write(self, prepared: _Prepared, k, v, k_cache, v_cache) -> None:
-        KVH, D = k.shape[1:]
-        k_cache.view(-1, KVH, D)[prepared.write_slots] = k
-        v_cache.view(-1, KVH, D)[prepared.write_slots] = v
+        write_rows(k_cache, prepared.write_slots, k)
+        write_rows(v_cache, prepared.write_slots, v)
 
     def attend(self, prepared: _Prepared, q, k_cache, v_cache) -> torch.Tensor:
         T, H, D = q.shape
         KVH = k_cache.shape[2]
         g = H // KVH
-        k_flat = k_cache.view(-1, KVH, D)
-        v_flat = v_cache.view(-1, KVH, D)
         out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
         for grp in prepared.groups:
             B, nq = grp.q_index.shape
-            keys = k_flat[grp.slots]  # [B, N, KVH, D]
+            # [B, N, KVH, D]; an 8-bit cache dequantized to the queries' dtype (exact: kv_cache.py)
+            keys = read_rows(k_cache, grp.slots.flatten(), q.dtype).view(B, -1, KVH, D)
             if grp.cos is not None:
                 rot = apply_rotary(keys.flatten(0, 1).float(), grp.cos.flatten(0, 1), grp.sin.flatten(0, 1))
                 keys = rot.view_as(keys).to(keys.dtype)
-            vals = v_flat[grp.slots]
+            vals = read_rows(v_cache, grp.slots.flatten(), q.dtype).view(B, -1, KVH, D)
             # GQA without copying K/V: fold the query heads sharing a KV head into the query axis.
             qs = q[grp.q_index].view(B, nq, KVH, g, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, g * nq, D)
             mask = grp.mask[:, None, None].expand(B, 1, g, nq, -1).reshape(B, 1, g * nq, -1)

@@ -56,16 +56,14 @@ def _chunks(ids: Sequence[int]) -> list[tuple[int, list[int]]]:
 
 
 def local_blocks(storage: KVStorage, ids: list[int]) -> torch.Tensor:
-    """This rank's heads of blocks `ids`: [n, 2, L, bs, local KV heads, D], contiguous."""
-    idx = torch.tensor(ids, device=storage.k.device)
-    return torch.stack((storage.k[:, idx], storage.v[:, idx])).permute(2, 0, 1, 3, 4, 5).contiguous()
+    """This rank's heads of blocks `ids`: [n, 2, L, bs, local KV heads, row] (`KVStorage.packed`),
+    contiguous."""
+    return storage.packed(torch.tensor(ids, device=storage.k.device)).contiguous()
 
 
 def put_blocks(storage: KVStorage, ids: list[int], kv: torch.Tensor) -> None:
-    """Write `kv` [n, 2, L, bs, local KV heads, D] (on the storage's device) into blocks `ids`."""
-    idx = torch.tensor(ids, device=storage.k.device)
-    storage.k[:, idx] = kv[:, 0].transpose(0, 1)
-    storage.v[:, idx] = kv[:, 1].transpose(0, 1)
+    """Write `kv` [n, 2, L, bs, local KV heads, row] (on the storage's device) into blocks `ids`."""
+    storage.unpack(torch.tensor(ids, device=storage.k.device), kv)
 
 
 def _wait(storage: KVStorage) -> None:
@@ -81,9 +79,9 @@ def serve_transfer(storage: KVStorage, msg: Any) -> None:
         for _, ids in _chunks(msg.ids):
             dist.gather(local_blocks(storage, ids), None, dst=0)
         return
-    shape = storage.k.shape
+    shape = storage.packed(torch.zeros(0, dtype=torch.long, device=storage.k.device)).shape[2:]
     for _, ids in _chunks(msg.ids):
-        mine = torch.empty((len(ids), 2, shape[0], *shape[2:]), dtype=storage.k.dtype, device=storage.k.device)
+        mine = torch.empty((len(ids), 2, *shape), dtype=storage.host_dtype, device=storage.k.device)
         dist.scatter(mine, None, src=0)
         put_blocks(storage, ids, mine)
 
@@ -126,7 +124,7 @@ class TPStorage(RecordingStorage):
             group.send(InstallBlocks(self.drain(), [int(i) for i in ids]))
             for lo, part in _chunks(ids):
                 src = kvs[lo: lo + len(part)]
-                whole = torch.empty((len(part), *src[0].shape), dtype=self.k.dtype, device=self.k.device)
+                whole = torch.empty((len(part), *src[0].shape), dtype=self.host_dtype, device=self.k.device)
                 if isinstance(src, torch.Tensor):
                     whole.copy_(src, non_blocking=src.is_pinned())
                 else:

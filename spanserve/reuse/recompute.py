@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from spanserve.attention.kv_cache import read_rows, write_rows
 from spanserve.attention.plan import Repair
 from spanserve.attention.reference import repaired_softmax
 from spanserve.rope import Rotary, apply_rotary
@@ -74,17 +75,15 @@ class Recompute:
                 keep[reused_flat[drop]] = False
         self._active = keep.nonzero().flatten()
 
-    def _cached(self, i: int, which: torch.Tensor, k_cache, v_cache):
+    def _cached(self, i: int, which: torch.Tensor, k_cache, v_cache, dtype: torch.dtype):
         """The shared copy of reused tokens `which` (indices into row i's reused tokens), with K
         turned to the tokens' logical positions."""
-        KVH, D = k_cache.shape[2:]
         src = self._src[i][which]
-        k = k_cache.view(-1, KVH, D)[src]
+        k = read_rows(k_cache, src, dtype)
         cos, sin = self.rotary.cos_sin(self._delta[i][which], torch.float32)
-        return apply_rotary(k.float(), cos, sin).to(k.dtype), v_cache.view(-1, KVH, D)[src]
+        return apply_rotary(k.float(), cos, sin).to(k.dtype), read_rows(v_cache, src, dtype)
 
     def after_write(self, layer, q, k, v, idx, k_cache, v_cache) -> None:
-        KVH, D = k_cache.shape[2:]
         for i, r in enumerate(self.rows):
             n_reused = int(r.is_reused.sum())
             if r.selected is not None and layer > r.decision_layer:
@@ -92,10 +91,12 @@ class Recompute:
                 skip[r.selected] = False
                 which = skip.nonzero().flatten()
                 if which.numel():
-                    kk, vv = self._cached(i, which, k_cache, v_cache)
+                    # K, turned to its logical position, is stored anew (an 8-bit cache quantizes
+                    # it again, as in a cold request so in a warm one); V's values come back as they were
+                    kk, vv = self._cached(i, which, k_cache, v_cache, k.dtype)
                     dst = self._private(r, which, k_cache)
-                    k_cache.view(-1, KVH, D)[dst] = kk
-                    v_cache.view(-1, KVH, D)[dst] = vv
+                    write_rows(k_cache, dst, kk)
+                    write_rows(v_cache, dst, vv)
             elif layer == r.decision_layer:
                 local = r.flat if idx is None else torch.searchsorted(idx, r.flat)
                 r.selected = self._decide(i, r, q[local], k[local], v[local], k_cache, v_cache)
@@ -118,7 +119,7 @@ class Recompute:
             return pol.select(sinks)
         if isinstance(pol, CacheBlend):
             all_reused = torch.arange(int(r.is_reused.sum()), device=q.device)
-            k_old, v_old = self._cached(i, all_reused, k_cache, v_cache)
+            k_old, v_old = self._cached(i, all_reused, k_cache, v_cache, k.dtype)
             dk = (k[r.is_reused].float() - k_old.float()).pow(2).sum((1, 2))
             dv = (v[r.is_reused].float() - v_old.float()).pow(2).sum((1, 2))
             return pol.select(self.reduce(dk + dv), sinks)
@@ -141,7 +142,7 @@ def attention_mass(q, q_pos, k_cache, key_slots, key_delta, rotary: Rotary, repa
     non-reused tokens read each key [N]."""
     KVH, D = k_cache.shape[2:]
     H = q.shape[1]
-    keys = k_cache.view(-1, KVH, D)[key_slots].float()
+    keys = read_rows(k_cache, key_slots, torch.float32)
     if key_delta is not None:
         cos, sin = rotary.cos_sin(key_delta, torch.float32)
         keys = apply_rotary(keys, cos, sin)

@@ -86,7 +86,7 @@ def _log_engine(engine: "LLMEngine", seconds: float) -> None:
     c = engine.config
     log.info("model loaded in %.1f s: %s, %d layers, hidden %d, vocab %d", seconds,
              c.arch, c.num_layers, c.hidden_size, c.vocab_size)
-    mib = engine.pool.num_blocks * bytes_per_block(engine.model.config, engine.block_size, engine.dtype) / 2**20
+    mib = engine.pool.num_blocks * bytes_per_block(engine.model.config, engine.block_size, engine.storage.k.dtype) / 2**20
     log.info("KV pool: %.1f MiB per rank", mib)
     if engine.tiers is not None:
         log.info("KV tiers below the pool: %s", ", ".join(t.name for t in engine.tiers.tiers))

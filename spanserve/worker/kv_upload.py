@@ -76,9 +76,18 @@ def upload(k: torch.Tensor, v: torch.Tensor, up: Upload, chunk_blocks: int,
     buffers of `chunk_blocks` blocks. On CUDA (`stream`: the side stream the host-to-device
     copies run on) the copies are queued, not waited for; the caller's stream is ordered after
     them. Elsewhere the same steps run in order."""
+    upload_parts([(k, 0, slice(None)), (v, 1, slice(None))], k.dtype, up, chunk_blocks, stream)
+
+
+def upload_parts(parts: list[tuple[torch.Tensor, int, slice]], dtype: torch.dtype, up: Upload, chunk_blocks: int,
+                 stream: "torch.cuda.Stream | None" = None) -> None:
+    """`upload` into any pool tensors: each part (tensor [L, blocks, bs, KVH, w], K or V, columns)
+    receives those columns of the K or V rows of blocks whose elements are `dtype` (an 8-bit pool:
+    bytes, values then scale, `KVStorage`)."""
     n = len(up.slots)
     if n == 0:
         return
+    k = parts[0][0]
     cuda = k.device.type == "cuda"
     if cuda and stream is None:
         raise ValueError("a CUDA upload needs its copy stream")
@@ -87,7 +96,7 @@ def upload(k: torch.Tensor, v: torch.Tensor, up: Upload, chunk_blocks: int,
     idx = idx.pin_memory().to(k.device, non_blocking=True) if cuda else idx
     chunk = max(1, min(chunk_blocks, n))
     dims = up.singles[0].shape if up.singles is not None else up.runs[0].shape[1:]
-    bufs = [torch.empty((chunk, *dims), dtype=k.dtype, device=k.device) for _ in range(1 if n <= chunk else 2)]
+    bufs = [torch.empty((chunk, *dims), dtype=dtype, device=k.device) for _ in range(1 if n <= chunk else 2)]
     free: list["torch.cuda.Event | None"] = [None] * len(bufs)
     if cuda:
         stream.wait_stream(main)  # the buffers and the index were made on the compute stream
@@ -97,8 +106,8 @@ def upload(k: torch.Tensor, v: torch.Tensor, up: Upload, chunk_blocks: int,
         landed = _fill(buf, pieces, stream, free[c % len(bufs)], up.singles is not None)
         if landed is not None:
             main.wait_event(landed)
-        k.index_copy_(1, idx[lo: lo + len(buf)], buf[:, 0].transpose(0, 1))
-        v.index_copy_(1, idx[lo: lo + len(buf)], buf[:, 1].transpose(0, 1))
+        for dst, which, cols in parts:
+            dst.index_copy_(1, idx[lo: lo + len(buf)], buf[:, which, ..., cols].transpose(0, 1))
         if cuda:
             free[c % len(bufs)] = done = torch.cuda.Event()
             done.record(main)

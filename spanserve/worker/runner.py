@@ -56,8 +56,9 @@ class ModelRunner(Executor):
         self.storage = storage
         self.backend = backend
         n = model.config.num_layers
-        self.k_caches = [storage.k[i] for i in range(n)]
-        self.v_caches = [storage.v[i] for i in range(n)]
+        layers = [storage.layer(i) for i in range(n)]
+        self.k_caches = [k for k, _ in layers]
+        self.v_caches = [v for _, v in layers]
         self.graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
         capable = hasattr(backend, "static_decode")

@@ -13,6 +13,7 @@ import torch
 import triton
 
 from spanserve.attention.backend import AttentionBackend
+from spanserve.attention.kv_cache import Fp8Cache
 from spanserve.attention.plan import AttentionPlan
 from spanserve.attention.triton.dense import attend_dense
 from spanserve.attention.triton.graph_decode import StaticDecode
@@ -20,6 +21,7 @@ from spanserve.attention.triton.graph_step import StaticSteps
 from spanserve.attention.triton.kernels import (
     attention_kernel,
     combine_kernel,
+    kv_write_fp8_kernel,
     kv_write_kernel,
     reposition_kernel,
     rotate_keys_kernel,
@@ -140,12 +142,12 @@ class TritonBackend(AttentionBackend):
         return StaticSteps(*self._cuts(G), self._split_policy(dev, kvh), self.prerotate_prefill,
                            inv_freq.to(device=dev, dtype=torch.float32).contiguous(), dev)
 
-    def write(self, prepared: StepLayout, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-              v_cache: torch.Tensor) -> None:
+    def write(self, prepared: StepLayout, k: torch.Tensor, v: torch.Tensor, k_cache: "torch.Tensor | Fp8Cache",
+              v_cache: "torch.Tensor | Fp8Cache") -> None:
         write_kv(k, v, k_cache, v_cache, prepared.write_slots)
 
-    def attend(self, prepared: StepLayout, q: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor) -> torch.Tensor:
+    def attend(self, prepared: StepLayout, q: torch.Tensor, k_cache: "torch.Tensor | Fp8Cache",
+               v_cache: "torch.Tensor | Fp8Cache") -> torch.Tensor:
         """Attention alone, over a cache that already holds this step's K/V."""
         T, H, D = q.shape
         KVH = k_cache.shape[2]
@@ -160,7 +162,7 @@ class TritonBackend(AttentionBackend):
                 # Held until the launch is queued: the kernel reads K rows from it.
                 scratch = None
                 if launch.prerotation is not None:
-                    scratch = rotate_keys(k_cache, launch.prerotation, prepared.inv_freq)
+                    scratch = rotate_keys(k_cache, launch.prerotation, prepared.inv_freq, q.dtype)
                 _launch_attention(prepared, launch, cfg, bm, q, k_cache if scratch is None else scratch,
                                   v_cache, out, G)
                 del scratch
@@ -179,16 +181,22 @@ def _sm_count(dev: torch.device) -> int:
     return _SMS[i]
 
 
+def _parts(cache: "torch.Tensor | Fp8Cache") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the rows, their scales or None): an 8-bit cache's two tensors, or a plain cache."""
+    return (cache.data, cache.scale) if isinstance(cache, Fp8Cache) else (cache, None)
+
+
 def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_m: int,
-                      q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      q: torch.Tensor, k_cache: "torch.Tensor | Fp8Cache", v_cache: "torch.Tensor | Fp8Cache",
                       out: torch.Tensor, G: int) -> None:
     T, H, D = q.shape
     KVH = k_cache.shape[2]
-    if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    (k_rows, k_scale), (v_rows, v_scale) = _parts(k_cache), _parts(v_cache)
+    if q.stride(-1) != 1 or not (k_rows.is_contiguous() and v_rows.is_contiguous()):
         raise ValueError("q needs a unit last stride and the caches must be contiguous")
     # k_cache is the layer's K cache, or the launch's prerotated K scratch (same row layout)
-    k_flat = k_cache.view(-1, KVH, D)
-    v_flat = v_cache.view(-1, KVH, D)
+    k_flat = k_rows.view(-1, KVH, D)
+    v_flat = v_rows.view(-1, KVH, D)
     # The softmax runs in base 2: fold log2(e) into the score scale.
     qk_scale = (1.0 / math.sqrt(D)) * 1.4426950408889634
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -203,16 +211,16 @@ def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_
         if repair:
             part_ts = torch.empty(n_loc, 2, dtype=torch.float32, device=q.device)
     attention_kernel[(launch.desc.shape[0], KVH)](
-        q, k_flat, v_flat, out,
+        q, k_flat, v_flat, k_flat if k_scale is None else k_scale, v_flat if v_scale is None else v_scale, out,
         launch.desc, lay.key_slots, lay.key_slots if lay.key_end is None else lay.key_end,
         lay.q_pos, lay.anchor, lay.seg,
         launch.tile_start, launch.tile_end, launch.tile_delta, lay.inv_freq, part_o, part_lse, part_ts,
-        q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), out.stride(0), n_loc, H,
+        q.stride(0), q.stride(1), k_flat.stride(0), k_flat.stride(1), out.stride(0), n_loc, H, KVH,
         qk_scale,
         G=G, D=D, BLOCK_M=block_m, BLOCK_N=cfg.block_n, NUM_FIELDS=NUM_FIELDS,
         HAS_DELTA=launch.fused_delta, KEEP_Q=block_m <= _KEEP_Q_ROWS, K_SCRATCH=pre is not None,
         HAS_PLUS=lay.has_plus, PREC=prec, SPLIT=launch.split > 1, HAS_REPAIR=repair,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        K_FP8=k_scale is not None, V_FP8=v_scale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if launch.split > 1:
         block_h = min(triton.next_power_of_2(H), 8)
@@ -222,30 +230,37 @@ def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_
         )
 
 
-def rotate_keys(k_cache: torch.Tensor, pre: Prerotation, inv_freq: torch.Tensor) -> torch.Tensor:
-    """[n, 1, KVH, D] scratch holding R(delta) K of the launch's keys for one layer, in key order
-    (n: the length of the slot list; with `pre.count` only the first count rows are written)."""
+def rotate_keys(k_cache: "torch.Tensor | Fp8Cache", pre: Prerotation, inv_freq: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """[n, 1, KVH, D] scratch in `dtype` (the queries') holding R(delta) K of the launch's keys
+    for one layer, in key order (n: the length of the slot list; with `pre.count` only the first
+    count rows are written). Keys of an 8-bit cache are dequantized on the way."""
     KVH, D = k_cache.shape[2], k_cache.shape[3]
+    rows, scale = _parts(k_cache)
     n = pre.src_slots.numel()
-    out = torch.empty(n, 1, KVH, D, dtype=k_cache.dtype, device=k_cache.device)
+    out = torch.empty(n, 1, KVH, D, dtype=dtype, device=k_cache.device)
     block_kvh = triton.next_power_of_2(KVH)
     # 32 (key, head) rows of D per program: more holds the fp32 halves in spilled registers.
     block_k = max(1, 32 // block_kvh)
     # A counted launch has a fixed grid whatever the count (graph replay): programs stride.
     programs = triton.cdiv(n, block_k) if pre.count is None else min(triton.cdiv(n, block_k), 2048)
     rotate_keys_kernel[(max(programs, 1),)](
-        k_cache, out, pre.src_slots, pre.delta, inv_freq, pre.src_slots if pre.count is None else pre.count,
+        rows, rows if scale is None else scale, out, pre.src_slots, pre.delta, inv_freq, pre.src_slots if pre.count is None else pre.count,
         n, KVH * D, KVH=KVH, D=D, BLOCK_K=block_k, BLOCK_KVH=block_kvh, COUNTED=pre.count is not None,
-        num_warps=4,
+        K_FP8=scale is not None, num_warps=4,
     )
     return out
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slots: torch.Tensor) -> None:
-    """k, v: [T, KVH, D]; caches [num_blocks, block_size, KVH, D]; token i goes to flat slot slots[i]."""
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: "torch.Tensor | Fp8Cache",
+             v_cache: "torch.Tensor | Fp8Cache", slots: torch.Tensor) -> None:
+    """k, v: [T, KVH, D]; caches [num_blocks, block_size, KVH, D]; token i goes to flat slot slots[i]
+    (quantized for an 8-bit cache)."""
     T = k.shape[0]
     if T == 0:
+        return
+    if isinstance(k_cache, Fp8Cache) and isinstance(v_cache, Fp8Cache):
+        _write_fp8(k, v, k_cache, v_cache, slots)
         return
     k2, v2 = k.reshape(T, -1), v.reshape(T, -1)
     if k2.stride(-1) != 1 or v2.stride(-1) != 1:
@@ -260,6 +275,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                           W=W, BLOCK_T=block_t, BLOCK_W=block_w, num_warps=4)
 
 
+def _write_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: Fp8Cache, v_cache: Fp8Cache, slots: torch.Tensor) -> None:
+    T, KVH, D = k.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride(1) != D or v.stride(1) != D:
+        k, v = k.contiguous(), v.contiguous()
+    block_t = max(1, min(16, 2048 // D))
+    kv_write_fp8_kernel[(triton.cdiv(T, block_t), KVH)](
+        k, v, k_cache.data, v_cache.data, k_cache.scale, v_cache.scale, slots, T, k.stride(0), v.stride(0),
+        KVH=KVH, D=D, BLOCK_T=block_t, num_warps=4)
+
+
 Job = tuple[int, int, int, int]
 
 
@@ -270,6 +295,9 @@ def reposition_blocks(k_cache_all_layers: torch.Tensor, v_cache_all_layers: torc
     [num_layers, num_blocks, block_size, KVH, D], contiguous. A job may copy a block onto itself
     (rotation in place); no job may write a block that another job of the same call reads."""
     k, v = k_cache_all_layers, v_cache_all_layers
+    if k.element_size() == 1:
+        raise ValueError("eager repositioning of an 8-bit KV cache goes through KVStorage.copy_rotated "
+                         "(its keys are requantized after they turn)")
     if not (k.is_contiguous() and v.is_contiguous()) or k.shape != v.shape:
         raise ValueError("K and V caches must be contiguous and of one shape")
     L, NB, BS, KVH, D = k.shape

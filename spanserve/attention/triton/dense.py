@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from spanserve.attention.kv_cache import Fp8Cache, read_rows
+
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 except ImportError:  # torch without the backend selector: its default choice
@@ -41,14 +43,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return _causal(q, k, v)
 
 
-def attend_dense(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_slots: torch.Tensor,
-                 q_start: int, q_end: int, key_base: int, out: torch.Tensor) -> None:
+def attend_dense(q: torch.Tensor, k_cache: "torch.Tensor | Fp8Cache", v_cache: "torch.Tensor | Fp8Cache",
+                 key_slots: torch.Tensor, q_start: int, q_end: int, key_base: int, out: torch.Tensor) -> None:
     """out[q_start:q_end] = causal attention of the row's queries over its own keys, read from the
-    cache (already written this step) through key_slots[key_base:key_base + n]."""
+    cache (already written this step; an 8-bit one dequantized) through key_slots[key_base:key_base + n]."""
     n = q_end - q_start
-    KVH, D = k_cache.shape[2], k_cache.shape[3]
+    D = k_cache.shape[3]
     slots = key_slots[key_base:key_base + n].long()
-    k = k_cache.view(-1, KVH, D)[slots]
-    v = v_cache.view(-1, KVH, D)[slots]
+    k, v = read_rows(k_cache, slots, q.dtype), read_rows(v_cache, slots, q.dtype)
     o = _sdpa(q[q_start:q_end].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
     out[q_start:q_end].view(n, -1, D).copy_(o[0].transpose(0, 1))

@@ -32,15 +32,15 @@ F_LOG_S = tl.constexpr(descriptors.F_LOG_S)
 
 @triton.jit
 def attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
     desc_ptr, key_slots_ptr, key_end_ptr, qpos_ptr, anchor_ptr, seg_ptr,
     tile_start_ptr, tile_end_ptr, tile_delta_ptr, inv_freq_ptr, part_o_ptr, part_lse_ptr, part_ts_ptr,
-    stride_qt, stride_qh, stride_cs, stride_ch, stride_ot, n_loc, n_heads,
+    stride_qt, stride_qh, stride_cs, stride_ch, stride_ot, n_loc, n_heads, n_kvh,
     qk_scale,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_FIELDS: tl.constexpr, HAS_DELTA: tl.constexpr, KEEP_Q: tl.constexpr,
     K_SCRATCH: tl.constexpr, HAS_PLUS: tl.constexpr, PREC: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_REPAIR: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_REPAIR: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr,
 ):
     """One program: up to BLOCK_M // G query tokens of one row times the G query heads that share
     KV head `program_id(1)`, packed along M so every K/V tile is loaded once for all G heads.
@@ -57,7 +57,11 @@ def attention_kernel(
     a pass of its own before the others: scores times F_INV_T (1 / T), their result then one key
     of logit T * log2-sum-exp + F_LOG_S. Both passes read every tile of the program: skipping the
     tiles without a pair for the pass (a block reduction and a branch per tile) made the kernel 17x
-    slower on an H100 (its loads no longer pipelined)."""
+    slower on an H100 (its loads no longer pipelined).
+    K_FP8 / V_FP8: the cache holds e4m3 rows and a power-of-two scale per (slot, KV head) at
+    k_scale_ptr / v_scale_ptr (attention/kv_cache.py). K's scale multiplies the scores and V's the
+    probabilities: a power of two scales without rounding, so this is the computation over the
+    dequantized cache, bit for bit, at a fraction of a tile's multiplies."""
     HALF: tl.constexpr = D // 2
     BLOCK_Q: tl.constexpr = BLOCK_M // G
     desc = desc_ptr + tl.program_id(0) * NUM_FIELDS
@@ -142,6 +146,9 @@ def attention_kernel(
                     else:
                         k_ptrs = k_cache_ptr + slot[:, None] * stride_cs + kv_col[None, :]
                     kt = tl.load(k_ptrs, mask=kin[:, None], other=0.0)
+                    if K_FP8:
+                        kt = kt.to(q.dtype)
+                        ks = tl.load(k_scale_ptr + slot * n_kvh + kvh, mask=kin, other=0.0).to(tl.float32)
                     if HAS_DELTA:
                         dl = tl.load(tile_delta_ptr + j)
                         if dl != cur:
@@ -161,7 +168,10 @@ def attention_kernel(
                         s = tl.dot(qc, tl.trans(kt), input_precision=PREC)
                     else:
                         s = tl.dot(q, tl.trans(kt), input_precision=PREC)
-                    s = s * qk_scale
+                    if K_FP8:
+                        s = s * (ks * qk_scale)[None, :]
+                    else:
+                        s = s * qk_scale
                     if HAS_REPAIR:
                         if grp == 0:
                             s = s * inv_t
@@ -177,6 +187,9 @@ def attention_kernel(
                     p = tl.exp2(s - m_new[:, None])
                     l_i = l_i * alpha + tl.sum(p, 1)
                     v = tl.load(v_ptrs, mask=kin[:, None], other=0.0)
+                    if V_FP8:
+                        v = v.to(q.dtype)
+                        p = p * tl.load(v_scale_ptr + slot * n_kvh + kvh, mask=kin, other=0.0).to(tl.float32)[None, :]
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
                     m_i = m_new
         if HAS_REPAIR and grp == 0:
@@ -268,9 +281,9 @@ def combine_kernel(
 
 @triton.jit
 def rotate_keys_kernel(
-    k_cache_ptr, out_ptr, slots_ptr, delta_ptr, inv_freq_ptr, count_ptr, n_keys, stride_cs,
+    k_cache_ptr, k_scale_ptr, out_ptr, slots_ptr, delta_ptr, inv_freq_ptr, count_ptr, n_keys, stride_cs,
     KVH: tl.constexpr, D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KVH: tl.constexpr,
-    COUNTED: tl.constexpr,
+    COUNTED: tl.constexpr, K_FP8: tl.constexpr,
 ):
     """out[i] = R(delta[i]) k_cache[slots[i]] for every head: the deferred rotation done once per
     layer for a prefill launch. Programs stride over the keys BLOCK_K at a time; COUNTED reads the
@@ -292,6 +305,11 @@ def rotate_keys_kernel(
         src = k_cache_ptr + slot[:, None, None] * stride_cs + col
         k1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
         k2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        if K_FP8:  # an 8-bit cache: the rows dequantized (exactly) before they turn
+            ks = tl.load(k_scale_ptr + slot[:, None, None] * KVH + hh[None, :, None],
+                         mask=m, other=0.0).to(tl.float32)
+            k1 = k1 * ks
+            k2 = k2 * ks
         a = ang[:, None, None] * freq
         c = tl.cos(a)
         sn = tl.sin(a)
@@ -319,6 +337,68 @@ def kv_write_kernel(
     dst = slot[:, None] * stride_cs + ww[None, :]
     tl.store(k_cache_ptr + dst, k, mask=m)
     tl.store(v_cache_ptr + dst, v, mask=m)
+
+
+@triton.jit
+def _pow2(e):
+    """2**e for int32 e in [-126, 127], from its float32 bits (exact, no transcendental)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_rounded(y):
+    """y (float32, |y| <= 448) rounded to the nearest e4m3 value, ties to even, as float32: an
+    exact value, so any conversion to e4m3 keeps it (the Triton interpreter's own rounding does
+    not match the GPU's). A normal e4m3 number of exponent e has a quantum of 2**(e - 3); below
+    2**-6 the subnormals share 2**-9."""
+    a = tl.abs(y)  # rounded as a magnitude: what underflows keeps its sign (-0.0)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    t = a * _pow2(3 - e)  # exact: a power of two
+    f = tl.floor(t)
+    rest = t - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    up = (rest > 0.5) | ((rest == 0.5) & odd)
+    r = (f + tl.where(up, 1.0, 0.0)) * _pow2(e - 3)
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def _quantize_rows(x):
+    """x [rows, D] float32 -> (e4m3 values as exact float32, float32 power-of-two scale [rows]):
+    attention/kv_cache.quantize, bit for bit."""
+    amax = tl.max(tl.abs(x), 1)
+    bits = amax.to(tl.int32, bitcast=True)
+    k = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    k = tl.minimum(tl.maximum(k, -126), 126)
+    y = x * _pow2(-k)[:, None]
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    return _e4m3_rounded(y), _pow2(k)
+
+
+@triton.jit
+def kv_write_fp8_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slots_ptr,
+    n_tokens, stride_kt, stride_vt,
+    KVH: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """kv_write_kernel for an 8-bit cache: KV head `program_id(1)` of BLOCK_T tokens, each row
+    quantized with its own scale (attention/kv_cache.py); a slot < 0 is not written."""
+    tt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    dd = tl.arange(0, D)
+    slot = tl.load(slots_ptr + tt, mask=tt < n_tokens, other=-1).to(tl.int64)
+    t_ok = slot >= 0
+    tt64 = tt.to(tl.int64)
+    for which in tl.static_range(2):
+        if which == 0:
+            src, dst, dst_s, stride = k_ptr, k_cache_ptr, k_scale_ptr, stride_kt
+        else:
+            src, dst, dst_s, stride = v_ptr, v_cache_ptr, v_scale_ptr, stride_vt
+        x = tl.load(src + tt64[:, None] * stride + h * D + dd[None, :], mask=t_ok[:, None], other=0.0)
+        q, scale = _quantize_rows(x.to(tl.float32))
+        row = slot * KVH + h
+        tl.store(dst + row[:, None] * D + dd[None, :], q.to(dst.dtype.element_ty), mask=t_ok[:, None])
+        tl.store(dst_s + row, scale.to(dst_s.dtype.element_ty), mask=t_ok)
 
 
 @triton.jit

@@ -28,26 +28,35 @@ SEAL_BYTES = 16
 CHECKSUM, MAC = 1, 2  # seal kinds
 # the MAC is keyed for this use alone: a secret shared with something else signs nothing of it
 _MAC_CONTEXT = b"spanserve kv block payload v2\0"
-_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+# float8 e4m3: rows of D value bytes and a bfloat16 scale (worker/storage.py), as uint8
+_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 4}
+_SCALE_BYTES = 2
 
 
 @dataclass(frozen=True)
 class BlockShape:
-    """What every block of one model looks like: [2 (K, V), layers, block size, kv heads, head dim]."""
+    """What every block of one model looks like: [2 (K, V), layers, block size, kv heads, row] of
+    `host_dtype`; a row is head dim values, or for an 8-bit pool (dtype float8_e4m3fn) head dim
+    value bytes then the row's 2-byte scale."""
 
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the pool's
+
+    @property
+    def host_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.dtype == torch.float8_e4m3fn else self.dtype
 
     @property
     def dims(self) -> tuple[int, int, int, int, int]:
-        return (2, self.num_layers, self.block_size, self.num_kv_heads, self.head_dim)
+        row = self.head_dim + (_SCALE_BYTES if self.dtype == torch.float8_e4m3fn else 0)
+        return (2, self.num_layers, self.block_size, self.num_kv_heads, row)
 
     @property
     def kv_bytes(self) -> int:
-        return int(np.prod(self.dims)) * torch.empty((), dtype=self.dtype).element_size()
+        return int(np.prod(self.dims)) * torch.empty((), dtype=self.host_dtype).element_size()
 
     @property
     def payload_bytes(self) -> int:
@@ -105,8 +114,9 @@ class PayloadCodec:
     def encode(self, block: BlockKV) -> bytearray:
         """The payload of `block`, to be stored under `block.key`: the KV bytes are copied once."""
         shape = self.shape
-        if tuple(block.kv.shape) != shape.dims or block.kv.dtype != shape.dtype:
-            raise ValueError(f"block KV is {tuple(block.kv.shape)} {block.kv.dtype}, expected {shape.dims} {shape.dtype}")
+        if tuple(block.kv.shape) != shape.dims or block.kv.dtype != shape.host_dtype:
+            raise ValueError(f"block KV is {tuple(block.kv.shape)} {block.kv.dtype}, expected {shape.dims} "
+                             f"{shape.host_dtype}")
         n = len(block.tokens)
         if not 0 < n <= shape.block_size:
             raise ValueError(f"a block holds 1..{shape.block_size} tokens, got {n}")
@@ -150,7 +160,7 @@ class PayloadCodec:
         at += 4 * bs
         raw = view[at: at + shape.kv_bytes]
         kv = torch.frombuffer(raw if not raw.readonly else bytearray(raw), dtype=torch.uint8)
-        return BlockKV(key, tokens, kv.view(shape.dtype).view(shape.dims),
+        return BlockKV(key, tokens, kv.view(shape.host_dtype).view(shape.dims),
                        int.from_bytes(parent, "little") if has_parent else None)
 
     def _refusal(self, view: memoryview) -> BadPayload:

@@ -92,7 +92,7 @@ class TierStack:
         self._jobs.put(_Job(dest, [_kv_of(b, kv[i]) for i, b in enumerate(blocks)], ready))
 
     def _capture(self, blocks: Sequence[Block]) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
-        out = torch.empty((len(blocks), *self.shape.dims), dtype=self.shape.dtype, pin_memory=self._cuda)
+        out = torch.empty((len(blocks), *self.shape.dims), dtype=self.shape.host_dtype, pin_memory=self._cuda)
         self.storage.read_blocks([b.id for b in blocks], out)
         if not self._cuda:
             return out, None
