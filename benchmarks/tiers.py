@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import format_table, llama3_8b_config, median, random_model, random_tokens, save_figure, write_json  # noqa: E402
 
+from spanserve.attention.kv_cache import cache_dtype  # noqa: E402
 from spanserve.cache.tiers.payload import BlockKV  # noqa: E402
 from spanserve.engine.config import EngineConfig  # noqa: E402
 from spanserve.engine.engine import LLMEngine  # noqa: E402
@@ -59,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--store-timeout-ms", type=float, default=1000.0,
                     help="the store tier's timeout here (servers default to 50 ms; a loaded machine misses that)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU; 0 = torch's default")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the KV pool's (and tiers') dtype")
     args = ap.parse_args(argv)
     args.n = args.n or (32 if args.gpu else 4 if args.dry else 8)
     args.doc_len = args.doc_len or (2857 if args.gpu else 40 if args.dry else 256)
@@ -89,7 +91,7 @@ class Bench:
     def __init__(self, args: argparse.Namespace, model: Any, device: str, dtype: torch.dtype, store_url: str | None,
                  disk_dir: str):
         c = model.config
-        per_block = bytes_per_block(c, BS, dtype)
+        per_block = bytes_per_block(c, BS, cache_dtype(args.kv_cache_dtype, dtype))
         self.doc_blocks = args.n * -(-args.doc_len // BS)
         request_blocks = args.n * -(-args.doc_len // BS) + -(-(args.question_len + 16) // BS) + 4
         offload = {"cpu_bytes": (self.doc_blocks + 64) * per_block, "store_url": store_url,
@@ -106,7 +108,8 @@ class Bench:
         longest = args.n * args.doc_len + args.question_len + 16
         self.eng = LLMEngine(EngineConfig.from_kwargs(
             model=model, device=device, dtype=dtype, block_size=BS, num_blocks=2 * request_blocks + 16,
-            max_num_batched_tokens=longest + 16, max_num_seqs=2, kv_offload=offload, **extra))
+            max_num_batched_tokens=longest + 16, max_num_seqs=2, kv_offload=offload,
+            kv_cache_dtype=args.kv_cache_dtype, **extra))
         self.device = torch.device(device)
         gen = torch.Generator().manual_seed(0)
         v = c.vocab_size
@@ -184,7 +187,8 @@ class Bench:
         tails), copied to (pinned) host memory."""
         e = self.eng
         cached = [b for b in e.pool.blocks if b.key is not None]
-        out = torch.empty((len(cached), *e.tiers.shape.dims), dtype=e.dtype, pin_memory=self.device.type == "cuda")
+        out = torch.empty((len(cached), *e.tiers.shape.dims), dtype=e.tiers.shape.host_dtype,
+                          pin_memory=self.device.type == "cuda")
         e.storage.read_blocks([b.id for b in cached], out)
         self._sync()
         return [BlockKV(b.key, b.tokens, out[i], b.parent) for i, b in enumerate(cached)]
@@ -196,7 +200,7 @@ class Bench:
         pick = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(1))[:sample].tolist()
         held = [(blocks[i], self.eng.pool.lookup(blocks[i].key, blocks[i].tokens)) for i in pick]
         held = [(kv, b) for kv, b in held if b is not None]
-        out = torch.empty((len(held), *self.eng.tiers.shape.dims), dtype=self.eng.dtype)
+        out = torch.empty((len(held), *self.eng.tiers.shape.dims), dtype=self.eng.tiers.shape.host_dtype)
         self.eng.storage.read_blocks([b.id for _, b in held], out)
         for (kv, _), got in zip(held, out):
             if not torch.equal(kv.kv.cpu(), got):
@@ -406,8 +410,9 @@ def main(argv: list[str] | None = None) -> None:
             if redis is not None:
                 redis.stop()
     report(args, out)
-    tag = "_gpu" if args.gpu else "_dry" if args.dry else ""
-    what = "random Llama-3-8B bf16, H100" if args.gpu else "tiny random" if args.dry else "SmolLM2-135M fp32, CPU"
+    tag = ("_gpu" if args.gpu else "_dry" if args.dry else "") + ("_fp8" if args.kv_cache_dtype == "fp8" else "")
+    what = ("random Llama-3-8B bf16, H100" if args.gpu else "tiny random" if args.dry else "SmolLM2-135M fp32, CPU") + (
+        ", FP8 KV" if args.kv_cache_dtype == "fp8" else "")
     png = plot(out, f"tiers_ttft{tag}.png", f"{args.n} x {args.doc_len}-token RAG layout, {what}")
     path = write_json(f"tiers{tag}.json", {"args": {k: v for k, v in vars(args).items()}, **out})
     print(f"wrote {path} and {png}")
