@@ -143,7 +143,7 @@ def test_a_resolved_config_round_trips_through_plain_data() -> None:
                                    kv_offload={"cpu_bytes": 1 << 20, "store_url": "redis://h:6379/0", "store_secret": "a-secret-of-16-chars"},
                                    default_policy="sparseq", tensor_parallel_size=2).resolve(GPU)
     data = cfg.to_dict()
-    assert data["model"] == {"source": "/models/x", "device": "cuda", "dtype": "bfloat16"}
+    assert data["model"] == {"source": "/models/x", "device": "cuda", "dtype": "bfloat16", "quantization": None}
     assert EngineConfig.from_dict(data) == cfg
     back = EngineConfig.from_dict(json.loads(json.dumps(data)))  # lists for tuples: read back the same
     assert back == cfg and back.resolved and back.summary() == cfg.summary()

@@ -62,7 +62,7 @@ class TPDriver:
     _peer_used = False
 
     def __init__(self, model: Any, world: int, device: torch.device, dtype: torch.dtype, on_failure: str = "raise",
-                 float32_reduce: bool = False, peer_sum: bool = True):
+                 float32_reduce: bool = False, peer_sum: bool = True, quantization: str | None = None):
         if on_failure not in ("raise", "exit"):
             raise ValueError(f"on_failure must be 'raise' or 'exit', got {on_failure!r}")
         check_devices(world, device)
@@ -85,7 +85,7 @@ class TPDriver:
         wsource = source.for_workers()
         self.procs = [ctx.Process(target=worker_main, name=f"spanserve-tp{r}", daemon=True,
                                   args=(WorkerArgs(r, world, port, device.type, dtype, self.config, wsource, float32_reduce,
-                                                    peer_sum),))
+                                                    peer_sum, quantization),))
                       for r in range(1, world)]
         for p in self.procs:
             p.start()
@@ -94,7 +94,7 @@ class TPDriver:
         atexit.register(self.close)
         with self.collective():
             self.group = TPGroup.join(0, world, port, device.type, float32_reduce, peer_sum)
-            self.model = load_shard(self.group, self.config, source, dtype)
+            self.model = load_shard(self.group, self.config, source, dtype, quantization)
             self.min_free = self.group.min_over_ranks(free_memory(self.group.device))
         log.info("tensor parallel: %d ranks on %s, %d of %d heads and %d of %d KV heads per rank", world,
                  device.type, self.model.config.num_heads, self.config.num_heads, self.model.config.num_kv_heads,
@@ -112,7 +112,8 @@ class TPDriver:
 
     def fingerprint(self, block_size: int) -> bytes:
         """The tiers' model identity, equal to what the same model gives at TP=1."""
-        return whole_model_fingerprint(self.source, self.config, self.model.dtype, block_size, self.group.device)
+        return whole_model_fingerprint(self.source, self.config, self.model.dtype, block_size, self.group.device,
+                                       self.model.quantization)
 
     def executor(self, storage: RecordingStorage, backend: Any, cuda_graphs: Any, max_batch: int = 256) -> "TPExecutor":
         return TPExecutor(self, ModelRunner(self.model, storage, backend, cuda_graphs, max_batch))

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from spanserve.model.fp8 import Fp8Weight, Weight, fp8_linear
 from spanserve.model.layers import has_mm_out_dtype, mm_float32
 
 # Workers wait on the control channel for as long as the engine is idle (a server with no
@@ -92,12 +93,16 @@ class TPGroup:
         dist.all_reduce(x)
         return x
 
-    def row_linear(self, x: torch.Tensor, weight: torch.Tensor,
+    def row_linear(self, x: torch.Tensor, weight: Weight,
                    linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
         """Sum over ranks of linear(x, weight) = x @ weight.T (this rank's input columns)."""
         if not self.float32_reduce or x.dtype == torch.float32:
             return self.all_reduce(linear(x, weight))
-        part = self.all_reduce(mm_float32(x.reshape(-1, x.shape[-1]), weight.t(), self._native_f32))
+        x2 = x.reshape(-1, x.shape[-1])
+        if isinstance(weight, Fp8Weight):  # its float32 accumulator, scaled, unrounded
+            part = self.all_reduce(fp8_linear(x2, weight, out_dtype=torch.float32))
+        else:
+            part = self.all_reduce(mm_float32(x2, weight.t(), self._native_f32))
         return part.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
     def fuses(self, residual: torch.Tensor) -> bool:

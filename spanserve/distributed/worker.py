@@ -32,6 +32,7 @@ class WorkerArgs:
     source: Any  # a spanserve.model.weights source
     float32_reduce: bool = False
     peer_sum: bool = True
+    quantization: str | None = None  # LlamaModel's: None, or "fp8"
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,13 @@ class _Consumed(dict):
         return self.pop(name)
 
 
-def load_shard(group: TPGroup, config: ModelConfig, source: Any, dtype: torch.dtype) -> LlamaModel:
+def load_shard(group: TPGroup, config: ModelConfig, source: Any, dtype: torch.dtype,
+               quantization: str | None = None) -> LlamaModel:
     plan = ShardPlan(config, group.rank, group.world)
     weights = _Consumed(source.shard(plan, dtype, group.device))
-    model = LlamaModel(plan.local_config(), weights, dtype, group.device, group=group, vocab_size=config.vocab_size)
+    # quantized after slicing: a row-parallel shard over its own columns, as emulate_tp's pieces
+    model = LlamaModel(plan.local_config(), weights, dtype, group.device, group=group, vocab_size=config.vocab_size,
+                       quantization=quantization)
     del weights
     if group.device.type == "cuda":
         torch.cuda.empty_cache()  # what loading freed is free for the KV pool
@@ -73,7 +77,7 @@ def worker_main(args: WorkerArgs) -> None:
     quiet_threads()
     group = TPGroup.join(args.rank, args.world, args.port, args.device_type, args.float32_reduce, args.peer_sum)
     try:
-        model = load_shard(group, args.config, args.source, args.dtype)
+        model = load_shard(group, args.config, args.source, args.dtype, args.quantization)
         group.min_over_ranks(free_memory(group.device))
         init = group.recv()
         if not isinstance(init, EngineInit):  # the driver failed before its engine was built

@@ -115,7 +115,7 @@ def _load(config: EngineConfig, device: torch.device, dtype: torch.dtype, cuts: 
         from spanserve.distributed.driver import TPDriver
 
         tp = TPDriver(src, par.tensor_parallel_size, device, dtype, par.tp_on_failure, par.tp_float32_reduce,
-                      par.tp_peer_sum)
+                      par.tp_peer_sum, config.model.quantization)
         fingerprint = tp.fingerprint(config.cache.block_size) if tiers else None  # TP=1's identity
         return LoadedSide(tp.model, tp.config, tp.tokenizer, tp, fingerprint)
     if isinstance(src, RandomWeights):
@@ -123,9 +123,16 @@ def _load(config: EngineConfig, device: torch.device, dtype: torch.dtype, cuts: 
     else:
         loaded = src if isinstance(src, LoadedModel) else load_model(src, dtype, device)
     model = LlamaModel(loaded.config, loaded.weights, dtype, device, fused=config.runtime.fused_ops == "on",
-                       cuts=cuts)
-    fingerprint = model_fingerprint(loaded.config, loaded.weights, dtype, config.cache.block_size) if tiers else None
-    return LoadedSide(model, loaded.config, loaded.tokenizer, None, fingerprint)
+                       cuts=cuts, quantization=config.model.quantization)
+    fingerprint = None
+    if tiers:
+        fingerprint = model_fingerprint(loaded.config, loaded.weights, dtype, config.cache.block_size,
+                                        model.quantization)
+    side = LoadedSide(model, loaded.config, loaded.tokenizer, None, fingerprint)
+    if model.quantization is not None and device.type == "cuda":
+        del loaded  # the dense weights quantized from: their memory free for the KV pool sized next
+        torch.cuda.empty_cache()
+    return side
 
 
 def _num_blocks(config: EngineConfig, side: LoadedSide, device: torch.device, dtype: torch.dtype) -> int:

@@ -23,8 +23,10 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from spanserve.model import fp8
 from spanserve.model.config import ModelConfig
-from spanserve.model.shard import ShardPlan, check_divisible
+from spanserve.model.fp8 import Fp8Weight, Weight
+from spanserve.model.shard import ShardPlan, check_divisible, shard_dim
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,21 @@ class Cuts:
         whole = {n: get(n) for n in names}
         return [torch.cat([p.slice(whole[n], n) for n in names]).contiguous() for p in self.plans]
 
-    def qkv(self, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+    def fp8_pieces(self, get: Callable[[str], Weight], names: list[str]) -> list[Fp8Weight]:
+        """`pieces` of FP8 projections: a dense tensor's slices quantized after slicing, as a rank
+        quantizes the shard it loaded; an FP8 checkpoint's sliced as a rank loads them (a
+        row-parallel slice keeps its rows' scales)."""
+        whole = {n: get(n) for n in names}
+
+        def cut(plan: ShardPlan, w: Weight, name: str) -> Fp8Weight:
+            if not isinstance(w, Fp8Weight):
+                return fp8.quantize_weight(plan.slice(w, name).contiguous())
+            rows = plan.rows(name, w.shape[shard_dim(name) or 0])
+            return w if rows is None else w.narrow(rows[0], rows[1], rows[2] - rows[1])
+
+        return [fp8.cat([cut(p, whole[n], n) for n in names]) for p in self.plans]
+
+    def qkv(self, x: torch.Tensor, weights: list[Weight], biases: list[torch.Tensor | None],
             linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
         """The fused q/k/v projection, each rank's [q_r, k_r, v_r] computed alone, returned in the
         whole model's [q, k, v] column layout."""
@@ -65,7 +81,7 @@ class Cuts:
         return [part.contiguous() for part in attn.chunk(self.n, dim=1)]
 
     @staticmethod
-    def row_sum(xs: list[torch.Tensor], weights: list[torch.Tensor],
+    def row_sum(xs: list[torch.Tensor], weights: list[Weight],
                 linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
         """Sum over ranks of x_r @ w_r.T: each partial rounded to the working dtype (as a rank's
         GEMM rounds it), then added in rank order in float32 and rounded once."""

@@ -8,6 +8,7 @@ rows from the weight source: safetensors slices, the host model, or the random p
 them."""
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 import xxhash
 
-from spanserve.model import loader
+from spanserve.model import fp8, loader
 from spanserve.model.config import ModelConfig
 from spanserve.model.shard import shard_dim
 from spanserve.model.weights import MemoryWeights, PathWeights, RandomWeights
@@ -27,12 +28,16 @@ FINGERPRINT_BYTES = 1 << 16  # sampled from each of a few tensors: cheap, and an
 
 
 def model_fingerprint(config: object, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                      block_size: int) -> bytes:
+                      block_size: int, quantization: str | None = None) -> bytes:
     """16 bytes naming everything that makes two models' blocks differ: the architecture, the
-    weights (a sample of a few tensors' bytes), the KV dtype, the block size, the layout."""
+    weights (a sample of a few tensors' bytes), the KV dtype, the block size, the layout, and the
+    quantization the model runs (an FP8 model computes other KV from the same checkpoint)."""
     h = xxhash.xxh3_128()
-    h.update(f"{LAYOUT_VERSION}|{config!r}|{dtype}|{block_size}".encode())
-    names = sorted(weights)
+    header = f"{LAYOUT_VERSION}|{config!r}|{dtype}|{block_size}"
+    h.update((header if quantization is None else f"{header}|{quantization}").encode())
+    # An FP8 checkpoint's scales are skipped: no rank holds a row-parallel one's rows as TP=1 does,
+    # and the FP8 bytes sampled beside them differ wherever the scales do.
+    names = sorted(n for n in weights if not n.endswith("_scale"))
     for name in names[:2] + names[len(names) // 2: len(names) // 2 + 1] + names[-2:]:
         t = weights[name].detach().reshape(-1)
         n = min(t.numel(), FINGERPRINT_BYTES // max(1, t.element_size()))
@@ -42,8 +47,8 @@ def model_fingerprint(config: object, weights: Mapping[str, torch.Tensor], dtype
 
 
 def whole_model_fingerprint(source: Any, config: ModelConfig, dtype: torch.dtype, block_size: int,
-                            device: torch.device) -> bytes:
-    return model_fingerprint(config, LeadingRows(source, config, dtype, device), dtype, block_size)
+                            device: torch.device, quantization: str | None = None) -> bytes:
+    return model_fingerprint(config, LeadingRows(source, config, dtype, device), dtype, block_size, quantization)
 
 
 class LeadingRows(Mapping):
@@ -53,10 +58,17 @@ class LeadingRows(Mapping):
     def __init__(self, source: Any, config: ModelConfig, dtype: torch.dtype, device: torch.device):
         self.source, self.config, self.dtype, self.device = source, config, dtype, device
         self.shapes = loader.expected_shapes(config)
+        # An FP8 checkpoint's FP8 tensors keep their 1-byte elements: enough rows for those
+        # (rows past what `model_fingerprint` samples do not change it).
+        self.fp8 = False
         if isinstance(source, MemoryWeights):
             self.shapes = {k: tuple(v.shape) for k, v in source.model.weights.items()}
+            self.fp8 = any(v.dtype == fp8.FP8 for v in source.model.weights.values())
         elif isinstance(source, RandomWeights):  # its whole model always has its own LM head
             self.shapes.setdefault("lm_head.weight", self.shapes["model.embed_tokens.weight"])
+        elif isinstance(source, PathWeights):
+            hf_config = json.loads((Path(source.path) / "config.json").read_text())
+            self.fp8 = fp8.checkpoint_quantization(hf_config, source.path) is not None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)
@@ -66,17 +78,20 @@ class LeadingRows(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         shape = self.shapes[name]
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = 1 if self.fp8 else torch.empty((), dtype=self.dtype).element_size()
         row = math.prod(shape[1:])
         rows = min(shape[0], -(-(FINGERPRINT_BYTES // elem) // row))
         s = self.source
         if isinstance(s, MemoryWeights):
-            return s.model.weights[name][:rows].to(self.dtype)
+            return self._cast(name, s.model.weights[name][:rows])
         if isinstance(s, PathWeights):
-            return _safetensors_rows(Path(s.path), name, rows).to(self.dtype)
+            return self._cast(name, _safetensors_rows(Path(s.path), name, rows))
         if isinstance(s, RandomWeights):
             return _random_rows(s, name, shape, rows, self.dtype, self.device)
         raise TypeError(f"no fingerprint for weight source {type(s).__name__}")
+
+    def _cast(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        return t if fp8.keeps_dtype(name, t) else t.to(self.dtype)
 
 
 def _safetensors_rows(path: Path, name: str, rows: int) -> torch.Tensor:

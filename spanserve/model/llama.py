@@ -10,12 +10,14 @@ import torch.nn.functional as F
 
 from spanserve.attention.backend import AttentionBackend
 from spanserve.attention.plan import AttentionPlan
+from spanserve.model import fp8
 from spanserve.model.config import ModelConfig
+from spanserve.model.fp8 import Fp8Weight, Weight
 from spanserve.model.layers import has_mm_out_dtype, mm_float32, rms_norm
 from spanserve.rope import Rotary, apply_rotary
 
 
-Proj = torch.Tensor | list[torch.Tensor]
+Proj = Weight | list[Weight]
 
 
 @dataclass
@@ -92,7 +94,7 @@ class Collectives(Protocol):
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    def row_linear(self, x: torch.Tensor, weight: torch.Tensor,
+    def row_linear(self, x: torch.Tensor, weight: Weight,
                    linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor: ...
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor: ...
@@ -123,11 +125,19 @@ def _fetcher(weights: dict[str, torch.Tensor], dtype: torch.dtype,
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                  fused: bool | None = None, group: Collectives | None = None, vocab_size: int | None = None,
-                 cuts: int = 1):
+                 cuts: int = 1, quantization: str | None = None):
         """`group`: this model is one rank's shard (`config` has its share of the heads and MLP
         columns; o and down outputs are summed over ranks, the LM head's vocabulary gathered);
         `vocab_size`: the whole model's, when the LM head holds a padded share of it; `cuts` > 1:
-        the whole model computing bit for bit as that many ranks would (`model/cuts.py`)."""
+        the whole model computing bit for bit as that many ranks would (`model/cuts.py`);
+        `quantization` "fp8": the projections quantized at load (`model/fp8.py`). FP8 tensors in
+        `weights` (an FP8 checkpoint) run FP8 whatever `quantization` says; `self.quantization`
+        is what the model runs."""
+        if quantization is not None and quantization not in fp8.QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {fp8.QUANTIZATIONS}, got {quantization!r}")
+        self.quantize = quantization is not None  # dense projections too, not just an FP8 checkpoint's
+        fp8_checkpoint = any(t.dtype == fp8.FP8 for t in weights.values())
+        self.quantization = quantization or ("fp8" if fp8_checkpoint else None)
         self.config = config
         self.group = group
         self.vocab_size = vocab_size or config.vocab_size
@@ -135,12 +145,17 @@ class LlamaModel:
         self.device = torch.device(device)
         self.ops = _ops(fused, self.device)
         self.linear, self.linear_float32 = _linears(self.ops is not _Eager and self.device.type == "cuda")
+        if self.quantization is not None:
+            self.linear = fp8.mixed_linear(self.linear)
+            fp8.probe(self.device, (dtype, torch.float32))  # before any CUDA graph capture
         w = _fetcher(weights, dtype, self.device)
         self.cuts = None
         if cuts > 1:
             from spanserve.model.cuts import Cuts
             self.cuts = Cuts(config, cuts)
+        self._weights = weights
         self.layers: list[_Layer] = [self._load_layer(w, weights, i) for i in range(config.num_layers)]
+        del self._weights
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         head = weights.get("lm_head.weight")
@@ -155,9 +170,34 @@ class LlamaModel:
 
     def _proj(self, w: Callable[[str], torch.Tensor], names: list[str]) -> Proj:
         """The named tensors stacked along the outputs; with cuts, one such stack per rank."""
+        if self.quantization is not None and not names[0].endswith(".bias"):
+            return self._fp8_proj(w, names)
         if self.cuts is None:
             return torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
         return self.cuts.pieces(w, names)
+
+    def _fp8_proj(self, w: Callable[[str], torch.Tensor], names: list[str]) -> Proj:
+        """`_proj` of a quantized model: an FP8 checkpoint's tensors as they are, dense ones
+        quantized (after the cuts' slicing: a row-parallel piece over its own columns' amax). An
+        FP8 checkpoint's dense projections (its ignored layers) stay dense unless asked."""
+        pieces = {n: self._fp8_piece(w, n) for n in names}
+        if not self.quantize and not any(isinstance(p, Fp8Weight) for p in pieces.values()):
+            if self.cuts is None:
+                return torch.cat(list(pieces.values())) if len(names) > 1 else pieces[names[0]]
+            return self.cuts.pieces(pieces.__getitem__, names)
+        if self.cuts is None:
+            return fp8.cat([fp8.as_fp8(p) for p in pieces.values()])
+        return self.cuts.fp8_pieces(pieces.__getitem__, names)
+
+    def _fp8_piece(self, w: Callable[[str], torch.Tensor], name: str) -> Weight:
+        t = self._weights.get(name)  # a look only (a worker's dict hands each tensor out once)
+        if t is None or t.dtype != fp8.FP8:
+            return w(name)
+        scale = name + "_scale"
+        if scale not in self._weights:
+            raise ValueError(f"checkpoint is missing tensor {scale!r}")
+        q = self._weights[name].to(self.device).contiguous()
+        return Fp8Weight(q, self._weights[scale].to(device=self.device, dtype=torch.float32).contiguous())
 
     def _load_layer(self, w: Callable[[str], torch.Tensor], weights: dict[str, torch.Tensor], i: int) -> _Layer:
         c = self.config
@@ -265,7 +305,7 @@ class LlamaModel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.group is None else self.group.all_reduce(x)
 
-    def _add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+    def _add(self, x: torch.Tensor, weight: Weight, residual: torch.Tensor,
              norm: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(rms_norm(h) * norm or None, h) with h = residual + x @ weight.T (on a shard: summed
         over ranks, through peer memory with the add and norm fused where the group can)."""
@@ -276,7 +316,7 @@ class LlamaModel:
             return None, residual + y
         return self.ops.add_rms_norm(y, residual, norm, self.config.rms_norm_eps)
 
-    def row_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def row_linear(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
         """x @ weight.T; on a shard, the partial products summed over ranks (o and down); with
         cuts, x and weight are the ranks' pieces."""
         if self.cuts is not None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from spanserve.model import fp8
 from spanserve.model.config import ModelConfig
 from spanserve.model.gguf_file import gguf_tokenizer, load_gguf
 
@@ -76,7 +77,8 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> LoadedModel:
-    """Load `model` (see resolve_model) with weights cast to `dtype` and placed on `device`."""
+    """Load `model` (see resolve_model) with weights cast to `dtype` and placed on `device`; an
+    FP8 checkpoint's FP8 weights and their float32 scales keep their dtypes (`model/fp8.py`)."""
     path = resolve_model(model)
     if path.is_file():
         config, weights, tokenizer = load_gguf(path)
@@ -84,7 +86,8 @@ def load_model(
         config, weights, tokenizer = _load_hf_dir(path)
     _validate(config, weights, str(path))
     dev = torch.device(device)
-    weights = {name: t.to(device=dev, dtype=dtype) for name, t in weights.items()}
+    weights = {name: t.to(device=dev) if fp8.keeps_dtype(name, t) else t.to(device=dev, dtype=dtype)
+               for name, t in weights.items()}
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
 
 
@@ -141,10 +144,12 @@ def _safetensors_files(path: Path) -> list[Path]:
 def _load_hf_dir(path: Path) -> _Parts:
     from safetensors.torch import load_file
 
+    hf_config = json.loads((path / "config.json").read_text())
     try:
-        config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()), name=path.name)
+        config = ModelConfig.from_hf(hf_config, name=path.name)
     except KeyError as e:  # e.g. multimodal configs that nest the LM under text_config
         raise ValueError(f"{path}/config.json has no {e.args[0]!r}; not a plain causal LM config") from e
+    quantized = fp8.checkpoint_quantization(hf_config, str(path)) is not None
     config = _merge_generation_eos(config, path / "generation_config.json")
     weights: dict[str, torch.Tensor] = {}
     for shard in _safetensors_files(path):
@@ -155,6 +160,8 @@ def _load_hf_dir(path: Path) -> _Parts:
     weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+    if quantized:
+        weights = fp8.checkpoint_weights(weights, str(path))
     return config, weights, _load_hf_dir_tokenizer(path)
 
 
@@ -210,6 +217,7 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _validate(config: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> None:
     # A config/weights mismatch would otherwise surface as a shape error deep in the forward pass.
     expected = expected_shapes(config)
+    expected |= {n + "_scale": expected[n][:1] for n, t in weights.items() if t.dtype == fp8.FP8 and n in expected}
     missing = sorted(expected.keys() - weights.keys())
     unexpected = sorted(weights.keys() - expected.keys())
     wrong = [f"{k}: {tuple(weights[k].shape)} != {v}" for k, v in expected.items()

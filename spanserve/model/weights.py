@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from spanserve.model import loader
+from spanserve.model import fp8, loader
 from spanserve.model.config import ModelConfig
 from spanserve.model.shard import ShardPlan, shard_dim
 
@@ -26,7 +26,8 @@ _PIECES = 64  # random tensors are made of this many pieces along their split di
 
 def _finish(weights: dict[str, torch.Tensor], plan: ShardPlan, dtype: torch.dtype,
             device: torch.device) -> dict[str, torch.Tensor]:
-    out = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+    out = {k: v.to(device=device) if fp8.keeps_dtype(k, v) else v.to(device=device, dtype=dtype)
+           for k, v in weights.items()}
     if "lm_head.weight" not in out:  # tied: the head is a slice of the (whole) embedding
         full = weights["model.embed_tokens.weight"]
         out["lm_head.weight"] = plan.slice(full, "lm_head.weight").to(device=device, dtype=dtype)
@@ -76,10 +77,17 @@ class PathWeights:
         expected = loader.expected_shapes(plan.config)
         if plan.config.tie_word_embeddings:
             expected.pop("lm_head.weight", None)
+        hf_config = json.loads((Path(self.path) / "config.json").read_text())
+        quantized = fp8.checkpoint_quantization(hf_config, self.path) is not None
         out: dict[str, torch.Tensor] = {}
         for file in loader._safetensors_files(Path(self.path)):
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
+                    weight = name.removesuffix("_scale")
+                    if quantized and name.endswith(".weight_scale") and weight in expected:
+                        # [out] like the weight's rows: sliced with them (whole for row-parallel)
+                        out[name] = plan.slice(fp8.row_scales(name, f.get_tensor(name), expected[weight][0]), name)
+                        continue
                     if name not in expected:
                         continue
                     sl = f.get_slice(name)
