@@ -71,6 +71,7 @@ from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.llm import LLM  # noqa: E402
 from spanserve.model.loader import LoadedModel, load_model  # noqa: E402
 from spanserve.reuse.policies import Policy  # noqa: E402
+from spanserve.attention.kv_cache import cache_dtype  # noqa: E402
 from spanserve.worker.storage import bytes_per_block  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -105,6 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="every method at 0/5/15/30/50%% recompute, each also repaired with temperature T, log scale S")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="weights and KV (default bfloat16, the serving dtype; ~1.5x faster than float32 here)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the KV pool's dtype")
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="linear weights in FP8")
+    ap.add_argument("--variants", nargs="+", default=None, metavar="LABEL",
+                    help="run only these variants of the standard set (labels as printed, e.g. none full)")
     ap.add_argument("--out", default=None, help="file name under benchmarks/results/ (default quality[_quick].json)")
     ap.add_argument("--plot", default=None, help="file name under docs/ (default quality[_quick].png)")
     args = ap.parse_args(argv)
@@ -127,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # ---- running -----------------------------------------------------------------------------------
 def build_llm(args: argparse.Namespace, model: LoadedModel, max_prompt: int, max_ctx: int) -> LLM:
-    per_block = bytes_per_block(model.config, BLOCK_SIZE, getattr(torch, args.dtype))
+    per_block = bytes_per_block(model.config, BLOCK_SIZE, cache_dtype(args.kv_cache_dtype, getattr(torch, args.dtype)))
     blocks = lambda n: -(-n // BLOCK_SIZE) + args.chunks + 1  # noqa: E731 (partial blocks per segment)
     # A group's pinned documents, then its requests' own blocks: run 2 of a policy holds a whole
     # group at once, and the previous policy's blocks wait for LRU eviction. A sink-anchored
@@ -138,7 +143,8 @@ def build_llm(args: argparse.Namespace, model: LoadedModel, max_prompt: int, max
     num_blocks = pinned + working + 256
     llm = LLM(model, device=args.device, dtype=args.dtype, block_size=BLOCK_SIZE, kv_cache_memory=num_blocks * per_block,
               max_num_seqs=max(args.group, 1), max_num_batched_tokens=max(4096, max_prompt + 1),
-              pin_fraction=min(0.9, (pinned + 64) / num_blocks))
+              pin_fraction=min(0.9, (pinned + 64) / num_blocks), kv_cache_dtype=args.kv_cache_dtype,
+              quantization=args.quantization)
     print(f"KV pool {num_blocks * per_block / 2**30:.2f} GiB ({num_blocks} blocks of {BLOCK_SIZE}, "
           f"{per_block // BLOCK_SIZE // 1024} KiB/token)", flush=True)
     return llm
@@ -267,7 +273,13 @@ def chosen_variants(args: argparse.Namespace) -> list[Variant]:
         return tuning(args.temperatures, args.log_scales)
     if args.frontier is not None:
         return frontier(*args.frontier)
-    return standard(args.sweep)
+    vs = standard(args.sweep)
+    if args.variants:
+        unknown = set(args.variants) - {v.label for v in vs}
+        if unknown:
+            raise SystemExit(f"unknown variants {sorted(unknown)}; the standard ones: {[v.label for v in vs]}")
+        vs = [v for v in vs if v.label in args.variants]
+    return vs
 
 
 def best_repair(rows: list[dict[str, Any]], vs: list[Variant]) -> dict[str, Any] | None:

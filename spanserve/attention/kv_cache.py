@@ -6,7 +6,7 @@ per block: decode appends one token at a time, so a block's later rows are not k
 are written, and a block-wide scale would have to grow by rewriting rows other requests may be
 reading. Why a power of two: dividing by it is exact, so a row is rounded once (to e4m3, to nearest
 even), its dequantized values q * scale are exact in bfloat16, and a kernel that folds the scale
-into its scores or probabilities computes the very numbers it computes on the dequantized cache.
+into its scores or probabilities multiplies the very numbers it multiplies on the dequantized cache.
 A scale costs 2 bytes per row (1.6% of a 128-wide row): 1.97x the tokens of bfloat16 per byte.
 """
 from __future__ import annotations

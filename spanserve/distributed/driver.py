@@ -102,12 +102,12 @@ class TPDriver:
 
     # ---- engine parts ----------------------------------------------------------------------
     def storage(self, num_blocks: int, block_size: int, backend: Any, cuda_graphs: Any,
-                max_batch: int = 256) -> TPStorage:
-        """This rank's KV storage; the workers make theirs (same blocks, their heads) and their
-        runners (graphs up to `max_batch` decode rows)."""
+                max_batch: int = 256, kv_dtype: torch.dtype | None = None) -> TPStorage:
+        """This rank's KV storage (elements of `kv_dtype`, default the model's); the workers make
+        theirs (same blocks, their heads) and their runners (graphs up to `max_batch` decode rows)."""
         with self.collective():
-            self.group.send(EngineInit(num_blocks, block_size, backend, cuda_graphs, max_batch))
-        return TPStorage(self.model.config, num_blocks, block_size, self.model.dtype, self.model.device,
+            self.group.send(EngineInit(num_blocks, block_size, backend, cuda_graphs, max_batch, kv_dtype))
+        return TPStorage(self.model.config, num_blocks, block_size, kv_dtype or self.model.dtype, self.model.device,
                          driver=self, whole=self.config)
 
     def fingerprint(self, block_size: int) -> bytes:

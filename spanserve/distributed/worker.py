@@ -44,6 +44,7 @@ class EngineInit:
     backend: Any
     cuda_graphs: Any
     max_batch: int = 256  # the largest decode step a graph replays
+    kv_dtype: torch.dtype | None = None  # the KV pool's element type; None: the model's dtype
 
 
 class _Consumed(dict):
@@ -82,7 +83,8 @@ def worker_main(args: WorkerArgs) -> None:
         init = group.recv()
         if not isinstance(init, EngineInit):  # the driver failed before its engine was built
             return
-        storage = KVStorage(model.config, init.num_blocks, init.block_size, args.dtype, group.device)
+        storage = KVStorage(model.config, init.num_blocks, init.block_size, init.kv_dtype or args.dtype,
+                            group.device)
         runner = ModelRunner(model, storage, init.backend, init.cuda_graphs, init.max_batch)
         serve(group, runner, storage)
         runner.release_graphs()  # on a clean stop only: after a failure a collective may never finish

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 
 from spanserve.attention.backend import AttentionBackend
+from spanserve.attention.kv_cache import cache_dtype
 from spanserve.cache.block_pool import BlockPool
 from spanserve.cache.manager import CacheManager
 from spanserve.cache.tiers import BlockShape, OffloadConfig, model_fingerprint
@@ -70,16 +72,20 @@ def build(config: EngineConfig) -> EngineParts:
     cache, block_size = config.cache, config.cache.block_size
     cuts = config.parallel.emulate_tp if config.parallel.tensor_parallel_size == 1 else 1
     side = _load(config, device, dtype, cuts)
-    num_blocks = _num_blocks(config, side, device, dtype)
+    kv_dtype = cache_dtype(cache.kv_cache_dtype, dtype)
+    num_blocks = _num_blocks(config, side, device, kv_dtype)
     backend = config.runtime.backend
     backend = make_backend(backend) if isinstance(backend, str) else backend
     backend = backend.sized_for(dtype, side.config.head_dim).for_shards(cuts)
-    storage, executor = _executor(config, side, num_blocks, backend, (device, dtype))
+    storage, executor = _executor(config, side, num_blocks, backend, (device, kv_dtype))
     tiers = None
     if side.fingerprint is not None:
         c = side.config
-        shape = BlockShape(c.num_layers, block_size, c.num_kv_heads, c.head_dim, dtype)
-        tiers = TierStack(OffloadConfig.of(cache.kv_offload), storage, shape, side.fingerprint)
+        shape = BlockShape(c.num_layers, block_size, c.num_kv_heads, c.head_dim, kv_dtype)
+        fingerprint = side.fingerprint
+        if kv_dtype != dtype:  # other bytes for the same KV: a key space of their own in shared tiers
+            fingerprint = xxhash.xxh3_128(fingerprint + f"|kv {kv_dtype}".encode()).digest()
+        tiers = TierStack(OffloadConfig.of(cache.kv_offload), storage, shape, fingerprint)
     pool = BlockPool(num_blocks, on_evict=tiers.on_evict if tiers else None)
     manager = CacheManager(pool, storage, block_size, cache.reposition, side.model.rotary, tiers)
     scheduler = Scheduler(manager, max_num_seqs(config, num_blocks), config.scheduler.max_num_batched_tokens)
@@ -135,7 +141,7 @@ def _load(config: EngineConfig, device: torch.device, dtype: torch.dtype, cuts: 
     return side
 
 
-def _num_blocks(config: EngineConfig, side: LoadedSide, device: torch.device, dtype: torch.dtype) -> int:
+def _num_blocks(config: EngineConfig, side: LoadedSide, device: torch.device, kv_dtype: torch.dtype) -> int:
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
@@ -143,7 +149,7 @@ def _num_blocks(config: EngineConfig, side: LoadedSide, device: torch.device, dt
     if budget is None and device.type == "cuda":
         free = side.tp.min_free if side.tp is not None else torch.cuda.mem_get_info(device)[0]
         budget = int(free * FREE_SHARE)
-    per_block = bytes_per_block(side.model.config, cache.block_size, dtype)  # this rank's heads
+    per_block = bytes_per_block(side.model.config, cache.block_size, kv_dtype)  # this rank's heads
     num_blocks = int((budget if budget is not None else CPU_KV_BYTES) // per_block)
     if num_blocks < 2:
         raise ValueError(f"a KV pool of {num_blocks} blocks ({per_block} bytes each) is too small; raise "
@@ -153,12 +159,13 @@ def _num_blocks(config: EngineConfig, side: LoadedSide, device: torch.device, dt
 
 def _executor(config: EngineConfig, side: LoadedSide, num_blocks: int, backend: AttentionBackend,
               place: tuple[torch.device, torch.dtype]) -> tuple[KVStorage, Executor]:
-    """The KV storage and the executor that steps the model over it: this device's runner, or
-    the TP driver's (whose workers build theirs: same block ids, their heads)."""
+    """The KV storage (`place`: its device and element type) and the executor that steps the model
+    over it: this device's runner, or the TP driver's (whose workers build theirs: same block ids,
+    their heads)."""
     block_size, graphs = config.cache.block_size, config.runtime.cuda_graphs
     max_batch = max_num_seqs(config, num_blocks)  # decode graphs up to the largest batch
     if side.tp is not None:
-        storage = side.tp.storage(num_blocks, block_size, backend, graphs, max_batch)
+        storage = side.tp.storage(num_blocks, block_size, backend, graphs, max_batch, place[1])
         return storage, side.tp.executor(storage, backend, graphs, max_batch)
     storage = KVStorage(side.config, num_blocks, block_size, place[1], place[0])
     return storage, ModelRunner(side.model, storage, backend, graphs, max_batch)

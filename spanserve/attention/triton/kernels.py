@@ -60,8 +60,9 @@ def attention_kernel(
     slower on an H100 (its loads no longer pipelined).
     K_FP8 / V_FP8: the cache holds e4m3 rows and a power-of-two scale per (slot, KV head) at
     k_scale_ptr / v_scale_ptr (attention/kv_cache.py). K's scale multiplies the scores and V's the
-    probabilities: a power of two scales without rounding, so this is the computation over the
-    dequantized cache, bit for bit, at a fraction of a tile's multiplies."""
+    probabilities: a power of two scales without rounding, so the products summed are those of
+    the computation over the dequantized cache (bit for bit in the interpreter; compiled, the
+    converted tiles may take another matrix instruction, which sums in another order)."""
     HALF: tl.constexpr = D // 2
     BLOCK_Q: tl.constexpr = BLOCK_M // G
     desc = desc_ptr + tl.program_id(0) * NUM_FIELDS
@@ -359,7 +360,8 @@ def _e4m3_rounded(y):
     odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
     up = (rest > 0.5) | ((rest == 0.5) & odd)
     r = (f + tl.where(up, 1.0, 0.0)) * _pow2(e - 3)
-    return tl.where(y < 0, -r, r)
+    sign = (y.to(tl.int32, bitcast=True) >> 31) << 31  # y's sign bit (a negation of 0.0 may fold to +0.0)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
