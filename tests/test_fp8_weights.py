@@ -74,7 +74,7 @@ def test_pieces_quantize_as_their_stack_and_slices_keep_their_scales():
     assert torch.equal(fp8.dequantize(cols), fp8.dequantize(whole)[:, 8:24])
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 33])
+@pytest.mark.parametrize("rows", [1, 16, 17, 33])
 def test_fp8_linear_on_the_cpu_is_the_dense_product_of_what_it_quantizes(rows):
     """Up to WEIGHT_ONLY_ROWS rows x is used as it is; beyond, x is quantized per token too."""
     w, x, b = _rand(48, 64, seed=3), _rand(rows, 64, seed=4) * 3, _rand(48, seed=5)
@@ -95,8 +95,8 @@ def test_fp8_linear_on_the_cpu_is_the_dense_product_of_what_it_quantizes(rows):
 
 
 # ---- the Triton kernels (interpreter) -------------------------------------------------------------
-@pytest.mark.parametrize("M", [1, 2, 3, 4])
-@pytest.mark.parametrize("cfg", [fp8_kernels.Fp8GemvConfig(4, 64, 4, 2), fp8_kernels.Fp8GemvConfig(2, 32, 2, 1)])
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("cfg", [fp8_kernels.Fp8GemvConfig(16, 64, 4, 2), fp8_kernels.Fp8GemvConfig(32, 32, 2, 1)])
 def test_gemv_kernel_matches_the_reference(M, cfg):
     g = torch.Generator().manual_seed(M)
     N = int(torch.randint(1, 40, (1,), generator=g))  # rows not a multiple of block_n
@@ -142,7 +142,7 @@ def _prompt_logits(llm, prompts):
     return [seen[r] for r in run_all(llm.engine, prompts)]
 
 
-PROMPTS = [list(range(5, 40)), [3, 17, 99, 250, 7]]  # prefills of 35 and 5 rows: W8A8; decodes: weight-only
+PROMPTS = [list(range(5, 40)), [3, 17, 99, 250, 7]]  # prefills of 35 rows (W8A8) and 5 (weight-only)
 
 
 def test_quantized_tiny_model_tracks_the_dense_one(tiny):

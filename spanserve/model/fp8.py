@@ -14,7 +14,8 @@ What `fp8_linear` computes, the same function on every device up to the order of
 - more rows, W8A8: x quantized per token (its row's amax / 448, as the weights are), then
   y = (xq @ q.T) * sx * sw in float32; on CUDA with sm89+ that is torch._scaled_mm on the FP8
   tensor cores. This is the scheme FP8 checkpoints declare (dynamic per-token activations).
-A token's result therefore depends on whether its step had more than WEIGHT_ONLY_ROWS rows.
+A token's result therefore depends on whether its step had more than WEIGHT_ONLY_ROWS rows
+(padding rows included: a short step's CUDA graph may pad past it where the eager step does not).
 The CPU computes the same two functions in float32 and is the reference the tests check the
 kernels against."""
 from __future__ import annotations
@@ -27,7 +28,9 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-WEIGHT_ONLY_ROWS = 4
+# The tensor cores' tile holds 16 rows of x: up to 16 cost what one does. Also a decode graph's
+# batch size (1, 2, 4, 8, 16, ...): padding a decode step never moves it across the threshold.
+WEIGHT_ONLY_ROWS = 16
 QUANTIZATIONS = ("fp8",)
 # The projections a checkpoint may hold in FP8 (embeddings, norms and the LM head stay dense).
 PROJECTIONS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -73,7 +76,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     W8A8 path, the activations' tokens. An all-zero row gets scale 1 (its q is 0 either way)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # times 1/448 rather than / 448: torch does that for a scalar divisor on CUDA (and the Triton
+    # kernel copies it), so the scales are the same bits on every device
+    scale = torch.where(amax > 0, amax * (1.0 / FP8_MAX), torch.ones_like(amax))
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
