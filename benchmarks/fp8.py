@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--doc-len", type=int, default=2857)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="short smoke run: small sizes, one run")
+    ap.add_argument("--cpu", action="store_true", help="the script end to end on a CPU: a tiny random model")
     ap.add_argument("--out", default="fp8_gpu.json")
     args = ap.parse_args(argv)
     if args.quick:
@@ -58,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def sync() -> None:
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def decode_itl(llm: LLM, batch: int, tokens: int, vocab: int) -> float:
@@ -93,7 +95,7 @@ def prefill_tps(llm: LLM, n: int, vocab: int, runs: int) -> float:
 def run_mode(name: str, weights: Any, args: argparse.Namespace) -> dict[str, Any]:
     vocab = weights.config.vocab_size
     longest = max(args.prefill, args.docs * args.doc_len + 64) + 64
-    llm = LLM(weights, device="cuda", dtype="bfloat16", block_size=BS, kv_cache_memory=int(args.kv_gib * 2**30),
+    llm = LLM(weights, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32", block_size=BS, kv_cache_memory=int(args.kv_gib * 2**30),
               max_num_seqs=64, pin_fraction=0.6, max_model_len=longest, **MODES[name])
     try:
         e = llm.engine
@@ -116,12 +118,21 @@ def run_mode(name: str, weights: Any, args: argparse.Namespace) -> dict[str, Any
         llm.shutdown()
         del llm
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    weights = random_model(llama3_8b_config(), "cuda", torch.bfloat16, seed=0)
+    args.device = "cpu" if args.cpu else "cuda"
+    if args.cpu:
+        from spanserve.model.config import ModelConfig
+
+        tiny = ModelConfig(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=8192, name="tiny")
+        weights = random_model(tiny, "cpu", torch.float32, seed=0)
+    else:
+        weights = random_model(llama3_8b_config(), "cuda", torch.bfloat16, seed=0)
     res = {m: run_mode(m, weights, args) for m in args.modes}
     base = res.get("bf16")
     rows = []
@@ -130,10 +141,11 @@ def main(argv: list[str] | None = None) -> None:
         rows.append([m, r["pool_tokens"], f"{rel('pool_tokens'):.2f}x", r["itl_b1_ms"], f"{rel('itl_b1_ms'):.2f}x",
                      r["itl_b64_ms"], f"{rel('itl_b64_ms'):.2f}x", r["prefill_tok_s"], f"{rel('prefill_tok_s'):.2f}x",
                      r["rag_warm_ms"], f"{rel('rag_warm_ms'):.2f}x", r["rag_cold_ms"], f"{rel('rag_cold_ms'):.2f}x"])
-    print(f"\nrandom Llama-3-8B, {torch.cuda.get_device_name()}; ratios against bf16 from this run")
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU, tiny random model"
+    print(f"\nrandom Llama-3-8B, {device}; ratios against bf16 from this run")
     print(format_table(["mode", "pool tokens", "x", "ITL b1 ms", "x", "ITL b64 ms", "x",
                         f"{args.prefill // 1024}k prefill tok/s", "x", "RAG warm ms", "x", "RAG cold ms", "x"], rows))
-    path = write_json(args.out, {"benchmark": "fp8", "args": vars(args), "device": torch.cuda.get_device_name(),
+    path = write_json(args.out, {"benchmark": "fp8", "args": vars(args), "device": device,
                                  "model": "random Llama-3-8B", "modes": {m: MODES[m] for m in res}, "results": res})
     print(f"wrote {path}")
 

@@ -73,14 +73,19 @@ def _fp8_cache(cache: torch.Tensor) -> Fp8Cache:
     return Fp8Cache(q, s)
 
 
-@pytest.mark.parametrize("mode", sorted(tta.BACKENDS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the interpreter has no bfloat16 dot
-def test_fp8_attention_is_attention_over_the_dequantized_cache(mode: str, dtype: torch.dtype) -> None:
+CASES = [(m, torch.float32, False) for m in sorted(tta.BACKENDS)] + [(m, torch.float16, False) for m in sorted(tta.BACKENDS)]
+CASES += [(m, torch.float32, True) for m in sorted(tta.BACKENDS)]  # the interpreter has no bfloat16 dot
+
+
+@pytest.mark.parametrize("mode,dtype,staged", CASES)
+def test_fp8_attention_is_attention_over_the_dequantized_cache(mode: str, dtype: torch.dtype, staged: bool) -> None:
     """Every launch kind (prerotated or fused deltas, split or not, repaired rows, plus segments)
     over an 8-bit cache computes what it computes over that cache dequantized: bit for bit where
     the scaled probabilities keep their precision (float32 here, bfloat16 on a GPU; float16's
-    subnormals round some), and the dense reference over the dequantized cache agrees."""
-    rng = random.Random(hash(mode) % 1000 + (dtype == torch.float32))
+    subnormals round some), and the dense reference over the dequantized cache agrees. `staged`:
+    the engine's backend for an 8-bit cache, whose prefill launch copies keys and values into
+    scratch first (`TritonBackend.for_kv_cache`)."""
+    rng = random.Random(sum(map(ord, mode)) + (dtype == torch.float32) + 7 * staged)
     case = tta._case(rng, n_rows=rng.randint(2, 4), plus=True, max_keys=90, repair=True)
     H, KVH, D = 6, 2, tta.D
     gen = torch.Generator().manual_seed(3)
@@ -91,6 +96,9 @@ def test_fp8_attention_is_attention_over_the_dequantized_cache(mode: str, dtype:
     shape = (case.num_blocks, tta.BS, KVH, D)
     k8, v8 = _fp8_cache(torch.randn(shape, generator=gen)), _fp8_cache(torch.randn(shape, generator=gen))
     backend = tta.BACKENDS[mode]()
+    if staged:
+        backend = backend.for_kv_cache(FP8)
+        assert backend.launches(backend.prepare(case.plan, rotary, tta.BS), H // KVH, KVH)[1].prerotation is not None
     lay = backend.prepare(case.plan, rotary, tta.BS)
     got = backend.forward(lay, q, k, v, k8, v8)  # writes this step's rows quantized, then attends
     dk, dv = dequantize(k8.data, k8.scale, dtype), dequantize(v8.data, v8.scale, dtype)

@@ -16,6 +16,11 @@ class AttentionBackend(ABC):
         with tiles in on-chip memory picks their sizes here); by default itself."""
         return self
 
+    def for_kv_cache(self, dtype: torch.dtype) -> "AttentionBackend":
+        """This backend as the engine runs it over a KV cache of `dtype` (an 8-bit cache may take
+        other paths); by default itself."""
+        return self
+
     def for_shards(self, n: int) -> "AttentionBackend":
         """This backend cutting its launches as each of `n` tensor-parallel ranks would (with 1/n of
         the KV heads), so that one device computes their numerics (`model/cuts.py`); by default

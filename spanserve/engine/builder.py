@@ -76,7 +76,7 @@ def build(config: EngineConfig) -> EngineParts:
     num_blocks = _num_blocks(config, side, device, kv_dtype)
     backend = config.runtime.backend
     backend = make_backend(backend) if isinstance(backend, str) else backend
-    backend = backend.sized_for(dtype, side.config.head_dim).for_shards(cuts)
+    backend = backend.sized_for(dtype, side.config.head_dim).for_shards(cuts).for_kv_cache(kv_dtype)
     storage, executor = _executor(config, side, num_blocks, backend, (device, kv_dtype))
     tiers = None
     if side.fingerprint is not None:

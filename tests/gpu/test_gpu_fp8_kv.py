@@ -40,9 +40,11 @@ def test_write_kernel_stores_the_quantizers_bits() -> None:
             f"reference={q[t, h, d].item()}" for t, h, d in where))
 
 
-@pytest.mark.parametrize("seed,prerotate,split", [(0, True, None), (1, False, None), (2, True, 2048),
-                                                 (3, False, 2048)])
-def test_fp8_attention_equals_attention_over_the_dequantized_cache(seed: int, prerotate: bool, split) -> None:
+@pytest.mark.parametrize("seed,prerotate,split,staged", [(0, True, None, False), (1, False, None, False),
+                                                        (2, True, 2048, False), (3, False, 2048, False),
+                                                        (4, True, None, True), (5, False, 2048, True)])
+def test_fp8_attention_equals_attention_over_the_dequantized_cache(seed: int, prerotate: bool, split,
+                                                                   staged: bool) -> None:
     """A mixed step at Llama-3-8B shapes (prefill chunks, a plus-form unit, decodes over up to 4k
     keys with span, zero and per-block deltas), prerotated or fused, split or not."""
     plan, n_tokens = gk.mixed_step(seed)
@@ -53,6 +55,7 @@ def test_fp8_attention_equals_attention_over_the_dequantized_cache(seed: int, pr
     shape = (gk.NUM_BLOCKS, BS, KVH, D)
     k8, v8 = (Fp8Cache(*quantize(torch.randn(shape, generator=gen, device=DEV))) for _ in range(2))
     tb = TritonBackend(prerotate_prefill=prerotate, split_programs=split, dense_prefill=0)
+    tb = tb.for_kv_cache(FP8) if staged else tb  # the engine's: prefill launches read bf16 copies
     got = tb.forward(tb.prepare(plan, rot, BS), q, k, v, k8, v8)  # this step's rows written quantized
     dk, dv = dequantize(k8.data, k8.scale, torch.bfloat16), dequantize(v8.data, v8.scale, torch.bfloat16)
     same = tb.attend(tb.prepare(plan, rot, BS), q, dk, dv).float()

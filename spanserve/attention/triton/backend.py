@@ -75,10 +75,19 @@ class TritonBackend(AttentionBackend):
         self.dense_prefill = dense_prefill
         self.decode_min_tiles = decode_min_tiles
         self.kv_shards = 1  # `for_shards`
+        # `for_kv_cache`: every prefill launch first copies its keys and values, dequantized, into
+        # bfloat16 scratch (an 8-bit cache). Read in the kernel, the converted tiles cost a prefill
+        # 1.5x (H100, random Llama-3-8B, benchmarks/fp8.py); decode launches still read 8 bits.
+        self.stage_prefill = False
 
     def for_shards(self, n: int) -> "TritonBackend":
         out = copy.copy(self)
         out.kv_shards = n
+        return out
+
+    def for_kv_cache(self, dtype: torch.dtype) -> "TritonBackend":
+        out = copy.copy(self)
+        out.stage_prefill = dtype.itemsize == 1
         return out
 
     def sized_for(self, dtype: torch.dtype, head_dim: int) -> "TritonBackend":
@@ -104,7 +113,7 @@ class TritonBackend(AttentionBackend):
         """(decode launch, prefill launch) of a step for G query heads per KV head."""
         dev = prepared.key_slots.device
         return prepared.launches(*self._cuts(G), self.prerotate_prefill, self._split_policy(dev, kvh),
-                                 self._dense_min(dev))
+                                 self._dense_min(dev), self.stage_prefill)
 
     def _block_m(self, G: int) -> tuple[int, int]:
         """(decode, prefill) program rows: BLOCK_M raised to a power of two >= G."""
@@ -140,7 +149,7 @@ class TritonBackend(AttentionBackend):
         them for G query heads per KV head."""
         dev = torch.device(device)
         return StaticSteps(*self._cuts(G), self._split_policy(dev, kvh), self.prerotate_prefill,
-                           inv_freq.to(device=dev, dtype=torch.float32).contiguous(), dev)
+                           inv_freq.to(device=dev, dtype=torch.float32).contiguous(), dev, self.stage_prefill)
 
     def write(self, prepared: StepLayout, k: torch.Tensor, v: torch.Tensor, k_cache: "torch.Tensor | Fp8Cache",
               v_cache: "torch.Tensor | Fp8Cache") -> None:
@@ -160,12 +169,12 @@ class TritonBackend(AttentionBackend):
         for launch, cfg, bm in ((big, self.prefill_cfg, pre_m), (small, self.decode_cfg, dec_m)):
             if launch.desc.shape[0]:
                 # Held until the launch is queued: the kernel reads K rows from it.
-                scratch = None
+                scratch = v_scratch = None
                 if launch.prerotation is not None:
-                    scratch = rotate_keys(k_cache, launch.prerotation, prepared.inv_freq, q.dtype)
+                    scratch, v_scratch = rotate_keys(k_cache, launch.prerotation, prepared.inv_freq, q.dtype, v_cache)
                 _launch_attention(prepared, launch, cfg, bm, q, k_cache if scratch is None else scratch,
-                                  v_cache, out, G)
-                del scratch
+                                  v_cache if v_scratch is None else v_scratch, out, G, v_scratch is not None)
+                del scratch, v_scratch
         for r in prepared.dense_rows(self._dense_min(q.device)):
             attend_dense(q, k_cache, v_cache, prepared.key_slots, r.q_start, r.q_end, r.key_base, out)
         return out
@@ -188,7 +197,7 @@ def _parts(cache: "torch.Tensor | Fp8Cache") -> tuple[torch.Tensor, torch.Tensor
 
 def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_m: int,
                       q: torch.Tensor, k_cache: "torch.Tensor | Fp8Cache", v_cache: "torch.Tensor | Fp8Cache",
-                      out: torch.Tensor, G: int) -> None:
+                      out: torch.Tensor, G: int, v_scratch: bool = False) -> None:
     T, H, D = q.shape
     KVH = k_cache.shape[2]
     (k_rows, k_scale), (v_rows, v_scale) = _parts(k_cache), _parts(v_cache)
@@ -220,7 +229,7 @@ def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_
         G=G, D=D, BLOCK_M=block_m, BLOCK_N=cfg.block_n, NUM_FIELDS=NUM_FIELDS,
         HAS_DELTA=launch.fused_delta, KEEP_Q=block_m <= _KEEP_Q_ROWS, K_SCRATCH=pre is not None,
         HAS_PLUS=lay.has_plus, PREC=prec, SPLIT=launch.split > 1, HAS_REPAIR=repair,
-        K_FP8=k_scale is not None, V_FP8=v_scale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        K_FP8=k_scale is not None, V_FP8=v_scale is not None, V_SCRATCH=v_scratch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if launch.split > 1:
         block_h = min(triton.next_power_of_2(H), 8)
@@ -231,25 +240,31 @@ def _launch_attention(lay: StepLayout, launch: Launch, cfg: LaunchConfig, block_
 
 
 def rotate_keys(k_cache: "torch.Tensor | Fp8Cache", pre: Prerotation, inv_freq: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, v_cache: "torch.Tensor | Fp8Cache | None" = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[n, 1, KVH, D] scratch in `dtype` (the queries') holding R(delta) K of the launch's keys
     for one layer, in key order (n: the length of the slot list; with `pre.count` only the first
-    count rows are written). Keys of an 8-bit cache are dequantized on the way."""
+    count rows are written); keys of an 8-bit cache are dequantized on the way. With an 8-bit
+    `v_cache`, also its values dequantized into a second scratch in the same order (else None)."""
     KVH, D = k_cache.shape[2], k_cache.shape[3]
     rows, scale = _parts(k_cache)
     n = pre.src_slots.numel()
     out = torch.empty(n, 1, KVH, D, dtype=dtype, device=k_cache.device)
+    v_rows, v_scale = _parts(v_cache) if isinstance(v_cache, Fp8Cache) else (None, None)
+    v_out = torch.empty_like(out) if v_rows is not None else None
     block_kvh = triton.next_power_of_2(KVH)
     # 32 (key, head) rows of D per program: more holds the fp32 halves in spilled registers.
     block_k = max(1, 32 // block_kvh)
     # A counted launch has a fixed grid whatever the count (graph replay): programs stride.
     programs = triton.cdiv(n, block_k) if pre.count is None else min(triton.cdiv(n, block_k), 2048)
     rotate_keys_kernel[(max(programs, 1),)](
-        rows, rows if scale is None else scale, out, pre.src_slots, pre.delta, inv_freq, pre.src_slots if pre.count is None else pre.count,
-        n, KVH * D, KVH=KVH, D=D, BLOCK_K=block_k, BLOCK_KVH=block_kvh, COUNTED=pre.count is not None,
-        K_FP8=scale is not None, num_warps=4,
+        rows, rows if scale is None else scale, out, pre.src_slots, pre.delta, inv_freq,
+        pre.src_slots if pre.count is None else pre.count, n, KVH * D,
+        rows if v_rows is None else v_rows, rows if v_scale is None else v_scale, out if v_out is None else v_out,
+        KVH=KVH, D=D, BLOCK_K=block_k, BLOCK_KVH=block_kvh, COUNTED=pre.count is not None,
+        K_FP8=scale is not None, HAS_V=v_rows is not None, num_warps=4,
     )
-    return out
+    return out, v_out
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: "torch.Tensor | Fp8Cache",

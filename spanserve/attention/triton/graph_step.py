@@ -120,10 +120,13 @@ class StaticSteps:
     big_n): tokens per program and keys per tile of the decode and prefill launches."""
 
     def __init__(self, small_q: int, small_n: int, big_q: int, big_n: int, split: SplitPolicy | None,
-                 prerotate: bool, inv_freq: torch.Tensor, device: torch.device):
+                 prerotate: bool, inv_freq: torch.Tensor, device: torch.device, stage: bool = False):
+        """`stage`: the prefill launch always copies its keys and values into scratch (an 8-bit
+        cache: `TritonBackend.for_kv_cache`)."""
         self.small_q, self.small_n, self.big_q, self.big_n, self.split = small_q, small_n, big_q, big_n, split
         self.small_split = decode_split(split)
         self.prerotate = prerotate
+        self.stage = stage
         self.inv_freq = inv_freq
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
@@ -137,7 +140,7 @@ class StaticSteps:
         paths = [row_path(r.q_end - r.q_start, False, self.small_q, 0) for r in rows]  # no dense rows
         small = [r for r, p in zip(rows, paths) if p is RowPath.DECODE_LAUNCH]
         big = [r for r, p in zip(rows, paths) if p is RowPath.PREFILL_LAUNCH]
-        pre = self.prerotate and any(r.span_delta.any() for r in big)
+        pre = (self.prerotate and any(r.span_delta.any() for r in big)) or (self.stage and bool(big))
         hs = _describe_host(small, self.small_q, self.small_n, False, self.small_split) if small else None
         hb = _describe_host(big, self.big_q, self.big_n, pre, self.split, fixed_ways=True) if big else None
         has_plus = any(h.anchor_end is not None or h.seg_start is not None for h in plan.rows)

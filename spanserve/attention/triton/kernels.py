@@ -41,6 +41,7 @@ def attention_kernel(
     NUM_FIELDS: tl.constexpr, HAS_DELTA: tl.constexpr, KEEP_Q: tl.constexpr,
     K_SCRATCH: tl.constexpr, HAS_PLUS: tl.constexpr, PREC: tl.constexpr,
     SPLIT: tl.constexpr, HAS_REPAIR: tl.constexpr, K_FP8: tl.constexpr, V_FP8: tl.constexpr,
+    V_SCRATCH: tl.constexpr,
 ):
     """One program: up to BLOCK_M // G query tokens of one row times the G query heads that share
     KV head `program_id(1)`, packed along M so every K/V tile is loaded once for all G heads.
@@ -138,7 +139,6 @@ def attention_kernel(
                         else:
                             mine = t[:, None] < kend[None, :]
                     slot = tl.load(key_slots_ptr + key_base + kk, mask=kin, other=0).to(tl.int64)
-                    v_ptrs = v_cache_ptr + slot[:, None] * stride_cs + kv_col[None, :]
                     if K_SCRATCH:
                         # Contiguous rows and no second index load: this is why the prerotation copies
                         # zero spans too (the slot-list variant ran 4-7% slower on H100).
@@ -146,6 +146,10 @@ def attention_kernel(
                         k_ptrs = k_cache_ptr + k_row[:, None] * stride_cs + kv_col[None, :]
                     else:
                         k_ptrs = k_cache_ptr + slot[:, None] * stride_cs + kv_col[None, :]
+                    if V_SCRATCH:
+                        v_ptrs = v_cache_ptr + k_row[:, None] * stride_cs + kv_col[None, :]
+                    else:
+                        v_ptrs = v_cache_ptr + slot[:, None] * stride_cs + kv_col[None, :]
                     kt = tl.load(k_ptrs, mask=kin[:, None], other=0.0)
                     if K_FP8:
                         kt = kt.to(q.dtype)
@@ -283,8 +287,9 @@ def combine_kernel(
 @triton.jit
 def rotate_keys_kernel(
     k_cache_ptr, k_scale_ptr, out_ptr, slots_ptr, delta_ptr, inv_freq_ptr, count_ptr, n_keys, stride_cs,
+    v_cache_ptr, v_scale_ptr, v_out_ptr,
     KVH: tl.constexpr, D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KVH: tl.constexpr,
-    COUNTED: tl.constexpr, K_FP8: tl.constexpr,
+    COUNTED: tl.constexpr, K_FP8: tl.constexpr, HAS_V: tl.constexpr,
 ):
     """out[i] = R(delta[i]) k_cache[slots[i]] for every head: the deferred rotation done once per
     layer for a prefill launch. Programs stride over the keys BLOCK_K at a time; COUNTED reads the
@@ -317,6 +322,15 @@ def rotate_keys_kernel(
         dst = out_ptr + kk.to(tl.int64)[:, None, None] * stride_cs + col
         tl.store(dst, (k1 * c - k2 * sn).to(out_ptr.dtype.element_ty), mask=m)
         tl.store(dst + HALF, (k2 * c + k1 * sn).to(out_ptr.dtype.element_ty), mask=m)
+        if HAS_V:  # an 8-bit cache's values, dequantized into the launch's V scratch (no rotation)
+            vsrc = v_cache_ptr + slot[:, None, None] * stride_cs + col
+            vs = tl.load(v_scale_ptr + slot[:, None, None] * KVH + hh[None, :, None], mask=m, other=0.0)
+            vs = vs.to(tl.float32)
+            vdst = v_out_ptr + kk.to(tl.int64)[:, None, None] * stride_cs + col
+            v1 = tl.load(vsrc, mask=m, other=0.0).to(tl.float32) * vs
+            tl.store(vdst, v1.to(v_out_ptr.dtype.element_ty), mask=m)
+            v2 = tl.load(vsrc + HALF, mask=m, other=0.0).to(tl.float32) * vs
+            tl.store(vdst + HALF, v2.to(v_out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit

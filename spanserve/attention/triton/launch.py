@@ -105,19 +105,21 @@ class StepLayout:
     _dense: dict[int, list[_RowHost]] = field(default_factory=dict)
 
     def launches(self, small_q: int, small_n: int, big_q: int, big_n: int, prerotate_big: bool,
-                 split: "SplitPolicy | None" = None, dense_min: int = 0) -> tuple[Launch, Launch]:
+                 split: "SplitPolicy | None" = None, dense_min: int = 0,
+                 stage_big: bool = False) -> tuple[Launch, Launch]:
         """The two launches: rows of at most `small_q` queries (decodes) get programs of `small_q`
         tokens and tiles of `small_n` keys, fused rotation; the rest `big_q` and `big_n`, with
-        their rotation done beforehand when `prerotate_big`. Both are split along keys per
-        `split`. Rows of `dense_rows(dense_min)` are in neither (0: none are left out)."""
+        their rotation done beforehand when `prerotate_big` (always with `stage_big`: an 8-bit
+        cache's prefill launch reads bfloat16 copies). Both are split along keys per `split`.
+        Rows of `dense_rows(dense_min)` are in neither (0: none are left out)."""
         if self.fixed is not None:
             return self.fixed
-        key = (small_q, small_n, big_q, big_n, prerotate_big, split, dense_min)
+        key = (small_q, small_n, big_q, big_n, prerotate_big, split, dense_min, stage_big)
         if key not in self._launches:
             paths = [_row_path(r, small_q, dense_min) for r in self.rows]
             small = [r for r, p in zip(self.rows, paths) if p is RowPath.DECODE_LAUNCH]
             big = [r for r, p in zip(self.rows, paths) if p is RowPath.PREFILL_LAUNCH]
-            pre = prerotate_big if self.has_delta else False
+            pre = (prerotate_big and self.has_delta) or stage_big
             self._launches[key] = (_describe(small, small_q, small_n, self, False, decode_split(split)),
                                    _describe(big, big_q, big_n, self, pre, split))
         return self._launches[key]
