@@ -37,11 +37,13 @@ MODES: dict[str, dict[str, Any]] = {
     "fp8": {"kv_cache_dtype": "fp8", "quantization": "fp8"},
 }
 BS = 16
+PARTS = ("itl", "prefill", "rag")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS), help="what to measure")
     ap.add_argument("--kv-gib", type=float, default=24.0, help="KV pool memory, the same in every mode")
     ap.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per ITL measurement")
     ap.add_argument("--prefill", type=int, default=16384, help="tokens of the long prefill")
@@ -101,18 +103,21 @@ def run_mode(name: str, weights: Any, args: argparse.Namespace) -> dict[str, Any
         e = llm.engine
         out: dict[str, Any] = {"pool_tokens": e.pool.num_blocks * BS, "kv_dtype": str(e.storage.k.dtype)}
         print(f"[{name}] pool {out['pool_tokens']} tokens in {args.kv_gib} GiB", flush=True)
-        out["itl_b1_ms"] = 1e3 * decode_itl(llm, 1, args.decode_tokens, vocab)
-        out["itl_b64_ms"] = 1e3 * decode_itl(llm, 64, args.decode_tokens, vocab)
-        print(f"[{name}] ITL b1 {out['itl_b1_ms']:.2f} ms, b64 {out['itl_b64_ms']:.2f} ms", flush=True)
-        out["prefill_tok_s"] = prefill_tps(llm, args.prefill, vocab, args.runs)
-        print(f"[{name}] {args.prefill}-token prefill {out['prefill_tok_s']:.0f} tok/s", flush=True)
-        bench = Bench(llm, 64, seed=0)
-        measure(bench, 1, args.doc_len, 1, f"warmup-{name}", quiet=True)
-        ttft, reuse = measure(bench, args.docs, args.doc_len, args.runs, name, discard=1, quiet=True)
-        out.update({f"rag_{v}_ms": 1e3 * median(ttft[v]) for v in ("stock", "cold", "warm")})
-        out["rag_ttfts_s"] = ttft
-        print(f"[{name}] RAG {args.docs} x {args.doc_len}: " +
-              ", ".join(f"{v} {out[f'rag_{v}_ms']:.1f} ms" for v in ("stock", "cold", "warm")), flush=True)
+        if "itl" in args.parts:
+            out["itl_b1_ms"] = 1e3 * decode_itl(llm, 1, args.decode_tokens, vocab)
+            out["itl_b64_ms"] = 1e3 * decode_itl(llm, 64, args.decode_tokens, vocab)
+            print(f"[{name}] ITL b1 {out['itl_b1_ms']:.2f} ms, b64 {out['itl_b64_ms']:.2f} ms", flush=True)
+        if "prefill" in args.parts:
+            out["prefill_tok_s"] = prefill_tps(llm, args.prefill, vocab, args.runs)
+            print(f"[{name}] {args.prefill}-token prefill {out['prefill_tok_s']:.0f} tok/s", flush=True)
+        if "rag" in args.parts:
+            bench = Bench(llm, 64, seed=0)
+            measure(bench, 1, args.doc_len, 1, f"warmup-{name}", quiet=True)
+            ttft, reuse = measure(bench, args.docs, args.doc_len, args.runs, name, discard=1, quiet=True)
+            out.update({f"rag_{v}_ms": 1e3 * median(ttft[v]) for v in ("stock", "cold", "warm")})
+            out["rag_ttfts_s"] = ttft
+            print(f"[{name}] RAG {args.docs} x {args.doc_len}: " +
+                  ", ".join(f"{v} {out[f'rag_{v}_ms']:.1f} ms" for v in ("stock", "cold", "warm")), flush=True)
         return out
     finally:
         llm.shutdown()
@@ -135,16 +140,19 @@ def main(argv: list[str] | None = None) -> None:
         weights = random_model(llama3_8b_config(), "cuda", torch.bfloat16, seed=0)
     res = {m: run_mode(m, weights, args) for m in args.modes}
     base = res.get("bf16")
+    cols = [("pool tokens", "pool_tokens", False)]
+    cols += [("ITL b1 ms", "itl_b1_ms", True), ("ITL b64 ms", "itl_b64_ms", True)] if "itl" in args.parts else []
+    cols += [(f"{args.prefill // 1024}k prefill tok/s", "prefill_tok_s", False)] if "prefill" in args.parts else []
+    cols += [("RAG warm ms", "rag_warm_ms", True), ("RAG cold ms", "rag_cold_ms", True)] if "rag" in args.parts else []
     rows = []
     for m, r in res.items():
-        rel = (lambda k, inv=False: (base[k] / r[k] if inv else r[k] / base[k])) if base else (lambda k, inv=False: 1.0)
-        rows.append([m, r["pool_tokens"], f"{rel('pool_tokens'):.2f}x", r["itl_b1_ms"], f"{rel('itl_b1_ms'):.2f}x",
-                     r["itl_b64_ms"], f"{rel('itl_b64_ms'):.2f}x", r["prefill_tok_s"], f"{rel('prefill_tok_s'):.2f}x",
-                     r["rag_warm_ms"], f"{rel('rag_warm_ms'):.2f}x", r["rag_cold_ms"], f"{rel('rag_cold_ms'):.2f}x"])
+        row: list[Any] = [m]
+        for _, key, _ in cols:
+            row += [r[key], f"{r[key] / base[key]:.2f}x" if base else "-"]
+        rows.append(row)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU, tiny random model"
     print(f"\nrandom Llama-3-8B, {device}; ratios against bf16 from this run")
-    print(format_table(["mode", "pool tokens", "x", "ITL b1 ms", "x", "ITL b64 ms", "x",
-                        f"{args.prefill // 1024}k prefill tok/s", "x", "RAG warm ms", "x", "RAG cold ms", "x"], rows))
+    print(format_table(["mode"] + [h for c, _, _ in cols for h in (c, "x")], rows))
     path = write_json(args.out, {"benchmark": "fp8", "args": vars(args), "device": device,
                                  "model": "random Llama-3-8B", "modes": {m: MODES[m] for m in res}, "results": res})
     print(f"wrote {path}")
