@@ -229,3 +229,17 @@ def test_cold_equals_warm_under_fp8_kv(loaded, policy: str) -> None:
     for x, y in zip(warm.logprobs, cold.logprobs):
         assert x.top.keys() == y.top.keys()
         assert all(abs(x.top[t] - y.top[t]) < 1e-5 for t in x.top)
+
+
+def test_packed_blocks_cut_along_heads_are_each_ranks_rows() -> None:
+    """Tensor-parallel transfers cut packed blocks along the KV heads: a rank's slice, unpacked
+    into its own pool, holds exactly its heads' values and scales."""
+    st = _storage(3)
+    cfg = ModelConfig(arch="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=3, num_heads=1,
+                      num_kv_heads=1, head_dim=8)
+    rank = KVStorage(cfg, num_blocks=10, block_size=4, dtype=FP8, device=torch.device("cpu"))
+    ids = torch.tensor([4, 1, 8])
+    rank.unpack(torch.tensor([0, 1, 2]), st.packed(ids)[:, :, :, :, 1:2].contiguous())
+    for mine, whole in zip(rank._tensors(), st._tensors()):
+        a, b = mine[:, :3, :, 0], whole[:, ids, :, 1]
+        assert torch.equal(a.view(torch.uint8) if a.dtype == FP8 else a, b.view(torch.uint8) if b.dtype == FP8 else b)

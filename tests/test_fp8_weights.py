@@ -287,23 +287,27 @@ def test_float32_reduce_keeps_the_fp8_accumulator(monkeypatch):
 # ---- tensor parallelism -----------------------------------------------------------------------------
 def test_emulated_and_real_tp2_compute_the_same_fp8_bits(tiny, tmp_path):
     """emulate_tp=2 and TP=2 quantize the same pieces (o and down after slicing along their inputs)
-    and give the same logits bit for bit, from a dense checkpoint and from an FP8 one; both track
-    the dense model. One torch thread, as the worker has."""
+    and give the same logits bit for bit, from a dense checkpoint and from an FP8 one (the latter
+    with an FP8 KV cache too: each rank quantizes its own heads' rows); both track the dense model.
+    One torch thread, as the worker has."""
     ckpt = tmp_path / "fp8"
     _write_fp8_checkpoint(tiny, ckpt)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         dense = _prompt_logits(LLM(str(tiny), device="cpu", block_size=BS, num_blocks=128), PROMPTS)
-        for path, quant in ((tiny, "fp8"), (ckpt, None)):
-            emu = LLM(str(path), device="cpu", block_size=BS, num_blocks=128, quantization=quant, emulate_tp=2)
+        for path, quant, kv in ((tiny, "fp8", "auto"), (ckpt, None, "fp8")):
+            emu = LLM(str(path), device="cpu", block_size=BS, num_blocks=128, quantization=quant, emulate_tp=2,
+                      kv_cache_dtype=kv)
             assert isinstance(emu.engine.model.layers[0].down, list)
             e = _prompt_logits(emu, PROMPTS)
             for a, b in zip(dense, e):
                 assert ((b - a).norm() / a.norm()).item() < TRACKS
-            tp = LLM(str(path), device="cpu", block_size=BS, num_blocks=128, quantization=quant, tensor_parallel_size=2)
+            tp = LLM(str(path), device="cpu", block_size=BS, num_blocks=128, quantization=quant, tensor_parallel_size=2,
+                     kv_cache_dtype=kv)
             try:
                 assert tp.engine.model.quantization == "fp8"
+                assert tp.engine.storage.k.dtype == (torch.float8_e4m3fn if kv == "fp8" else torch.float32)
                 for a, b in zip(e, _prompt_logits(tp, PROMPTS)):
                     assert torch.equal(a, b)
                 tokens = [o.token_ids for o in tp.generate(PROMPTS, GREEDY)]

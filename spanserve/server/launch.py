@@ -87,7 +87,7 @@ def _log_engine(engine: "LLMEngine", seconds: float) -> None:
     log.info("model loaded in %.1f s: %s, %d layers, hidden %d, vocab %d", seconds,
              c.arch, c.num_layers, c.hidden_size, c.vocab_size)
     mib = engine.pool.num_blocks * bytes_per_block(engine.model.config, engine.block_size, engine.storage.k.dtype) / 2**20
-    log.info("KV pool: %.1f MiB per rank", mib)
+    log.info("KV pool: %.1f MiB per rank, %s", mib, str(engine.storage.k.dtype).removeprefix("torch."))
     if engine.tiers is not None:
         log.info("KV tiers below the pool: %s", ", ".join(t.name for t in engine.tiers.tiers))
 
