@@ -45,6 +45,7 @@ from common import (
     write_json,
 )
 
+from spanserve.attention.kv_cache import cache_dtype
 from spanserve.engine.layout import Segment
 from spanserve.engine.params import SamplingParams
 from spanserve.llm import LLM
@@ -72,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-gib", type=float, default=0.0, help="KV pool size; 0 = the pinned docs + one whole request")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPU: one process per GPU)")
     ap.add_argument("--quick", action="store_true", help="smoke run: L=128, N in 1 2 4, 2 runs")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    ap.add_argument("--quantization", default=None, choices=["fp8"])
     ap.add_argument("--out", default=None, help="file name under benchmarks/results/")
     args = ap.parse_args(argv)
     if args.quick:
@@ -80,7 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.doc_len = args.doc_len or (2857 if args.gpu else 512)
     args.discard = (1 if args.gpu else 0) if args.discard is None else args.discard
     if args.out is None:
-        args.out = ("rag_ttft" + ("_gpu" if args.gpu else "") + (f"_tp{args.tp}" if args.tp > 1 else "")
+        fp8 = ("_fp8kv" if args.kv_cache_dtype == "fp8" else "") + ("_fp8w" if args.quantization else "")
+        args.out = ("rag_ttft" + ("_gpu" if args.gpu else "") + (f"_tp{args.tp}" if args.tp > 1 else "") + fp8
                     + ("_quick" if args.quick else "") + ".json")
     return args
 
@@ -105,7 +109,7 @@ def build_llm(model: "LoadedModel | RandomWeights", args: argparse.Namespace, de
         print(f"note: the longest prompt ({longest} tokens) exceeds {config.name}'s "
               f"{config.max_position_embeddings} positions; lifting the limit for this benchmark")
         model = dataclasses.replace(model, config=dataclasses.replace(config, max_position_embeddings=2 * longest))
-    per_block = bytes_per_block(model.config, BLOCK_SIZE, dtype)
+    per_block = bytes_per_block(model.config, BLOCK_SIZE, cache_dtype(args.kv_cache_dtype, dtype))
     # Pinned warm documents + one whole request (a stock or cold run evicts earlier runs' blocks).
     doc_blocks = max(args.ns) * -(-args.doc_len // BLOCK_SIZE)
     request_blocks = doc_blocks + -(-args.question_len // BLOCK_SIZE) + 2
@@ -121,7 +125,8 @@ def build_llm(model: "LoadedModel | RandomWeights", args: argparse.Namespace, de
     if args.tp > 1:  # each rank holds 1/tp of every block
         extra["tensor_parallel_size"] = args.tp
     return LLM(model, device=device, dtype=dtype_name, block_size=BLOCK_SIZE, kv_cache_memory=kv // args.tp,
-               max_num_batched_tokens=mbt, max_num_seqs=4, pin_fraction=pin_fraction, **extra)
+               max_num_batched_tokens=mbt, max_num_seqs=4, pin_fraction=pin_fraction,
+               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, **extra)
 
 
 class Bench:

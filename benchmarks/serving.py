@@ -243,7 +243,14 @@ def offline(a: argparse.Namespace, sat: list[Request], warm: list[Request]) -> d
         (tmp / name).write_text(json.dumps([asdict(r) for r in reqs]))
     return sh(["offline", str(a.model_dir), "--requests", str(tmp / "sat.json"), "--warmup", str(tmp / "warm.json"),
                *(["--max-num-seqs", str(a.max_num_seqs)] if a.max_num_seqs else []),
-               *(["--kv-cache-memory", a.kv_cache_memory] if a.kv_cache_memory else [])], timeout=a.reserve + 40)
+               *(["--kv-cache-memory", a.kv_cache_memory] if a.kv_cache_memory else []), *fp8_flags(a)],
+              timeout=a.reserve + 40)
+
+
+def fp8_flags(a: argparse.Namespace) -> list[str]:
+    """The FP8 options, as both `spanserve serve` and the offline child take them."""
+    return [*(["--kv-cache-dtype", "fp8"] if a.kv_cache_dtype == "fp8" else []),
+            *(["--quantization", a.quantization] if a.quantization else [])]
 
 
 def floats(text: str) -> list[float]:
@@ -290,6 +297,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds for everything (440); RAG rates that would start later are skipped")
     ap.add_argument("--reserve", type=float, default=None, help="seconds kept for the offline run")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="server and offline engine")
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="server and offline engine")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     gpu = dict(model_dir=Path("/tmp/spanserve-serving-8b"), chat_in=250.0, chat_out=200.0, chat_rates=[6.0, 18.0],
@@ -330,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     flags = [*(["--kv-cache-memory", a.kv_cache_memory] if a.kv_cache_memory else []),
              *(["--max-num-seqs", str(a.max_num_seqs)] if a.max_num_seqs else []),
              *(["--engine-arg", f"max_num_batched_tokens={a.max_num_batched_tokens}"] if a.max_num_batched_tokens else []),
-             *(["--no-overlap"] if a.no_overlap else [])]
+             *(["--no-overlap"] if a.no_overlap else []), *fp8_flags(a)]
     server = Server(str(a.model_dir), a.port, flags)
     warm = chat_requests(1, a.chat_warmup, MODEL, FIRST_WORD, d.words, a.chat_in, a.chat_out)
     try:

@@ -51,9 +51,12 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--warmup", type=Path, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--kv-cache-memory", type=parse_size, default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--quantization", default=None)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    llm = LLM(str(args.model), max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory)
+    llm = LLM(str(args.model), max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     load_s = time.perf_counter() - t0
     if args.warmup is not None:
         run(llm, json.loads(args.warmup.read_text()))

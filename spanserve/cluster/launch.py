@@ -37,12 +37,21 @@ def run_application(opts: ClusterOptions, host: str, port: int) -> Any:
     return serve.run(build_app(opts), name="spanserve", route_prefix="/")
 
 
-def stop() -> None:
+def stop(drain_s: float = 60.0) -> None:
+    """Serve's shutdown (replicas drain their requests), then Ray's. A Serve shutdown that has not
+    returned after `drain_s` (seen on a loaded 2-core machine) is left behind: Ray's shutdown stops
+    the local instance's processes either way, so Ctrl-C always ends the command."""
+    import threading
+
     import ray
     from ray import serve
 
     try:
-        serve.shutdown()
+        done = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
+        done.start()
+        done.join(drain_s)
+        if done.is_alive():
+            log.warning("Ray Serve did not shut down within %.0f s; stopping Ray", drain_s)
     finally:
         ray.shutdown()
 

@@ -191,8 +191,11 @@ class EngineConfig:
                        dict(self.reasons))
 
     def summary(self) -> str:
-        """The start-up log line: each runtime choice and why it was made."""
-        return self.choices().summary()
+        """The start-up log line: each runtime choice and why it was made, and the 8-bit options
+        when asked for."""
+        fp8 = [f"kv_cache_dtype={self.cache.kv_cache_dtype}"] if self.cache.kv_cache_dtype != "auto" else []
+        fp8 += [f"quantization={self.model.quantization}"] if self.model.quantization else []
+        return ", ".join([self.choices().summary(), *fp8])
 
 
 def unknown_option(key: str) -> str:
