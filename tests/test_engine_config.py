@@ -12,6 +12,9 @@ import pytest
 import torch
 
 import spanserve.engine.config as config_mod
+# imported before any test stands in for LLMEngine: a module first imported while the stand-in is
+# in place would keep it (server.app binds the name at import), failing later tests in this process
+import spanserve.server.app  # noqa: F401
 from spanserve import LLM, cli
 from spanserve.attention.reference import ReferenceBackend
 from spanserve.cache.tiers import OffloadConfig
