@@ -21,11 +21,11 @@ from spanserve.attention.triton.graph_step import StaticSteps
 from spanserve.attention.triton.kernels import (
     attention_kernel,
     combine_kernel,
-    kv_write_fp8_kernel,
     kv_write_kernel,
     reposition_kernel,
     rotate_keys_kernel,
 )
+from spanserve.attention.triton.kv_quant import kv_write_fp8_kernel
 from spanserve.attention.triton.launch import NUM_FIELDS, Launch, Prerotation, StepLayout, build_layout
 from spanserve.attention.triton.split import SplitPolicy
 from spanserve.rope import Rotary
