@@ -103,7 +103,10 @@ def test_the_serve_cluster_command_with_default_engine_flags_serves_chat(model_d
         assert proc.wait(timeout=120) == 130  # stopped by Ctrl-C, after stopping Ray
         _wait(lambda: not _group(proc.pid), 60, "Ray's processes to exit")
     except BaseException:
-        print(log.read_text(errors="replace")[-6000:])
+        if proc.poll() is None:  # still running: where each of its threads waits, into the log
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(2)
+        print(log.read_text(errors="replace")[-12000:])
         raise
     finally:
         if proc.poll() is None:

@@ -1,7 +1,9 @@
 """`spanserve serve-cluster`: start (or join) a Ray instance and run the replica application."""
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -58,8 +60,10 @@ def stop(drain_s: float = 60.0) -> None:
 
 def serve_cluster(opts: ClusterOptions, address: str | None, host: str, port: int,
                   object_store_bytes: int = 256 << 20) -> int:
-    """Blocks until interrupted; the exit status (1 if the application never came up)."""
+    """Blocks until interrupted; the exit status (1 if the application never came up). SIGUSR1
+    prints every thread's stack to stderr (a shutdown that does not end says where it waits)."""
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if address is None:  # the replicas run here: a wrong model or option is an error now, not in a log
         from spanserve.model.loader import resolve_model
 
@@ -77,6 +81,7 @@ def serve_cluster(opts: ClusterOptions, address: str | None, host: str, port: in
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        log.info("interrupted: stopping Ray Serve and Ray")
         return 130
     finally:
         stop()
