@@ -69,6 +69,14 @@ def _serving(c: httpx.Client, proc: subprocess.Popen[bytes], timeout: float) -> 
     raise AssertionError(f"serve-cluster did not answer /health within {timeout:.0f} s")
 
 
+def _interactive_sigint() -> None:
+    """SIGINT as a terminal's Ctrl-C finds it: handled, not blocked. A process inherits its parent's
+    ignored and blocked signals, and this test's worker may have run code that left SIGINT so (the
+    command then slept through the test's Ctrl-C in full runs, never alone)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_the_serve_cluster_command_with_default_engine_flags_serves_chat(model_dir: Path, tmp_path: Path) -> None:
     """The command as the README gives it, run as a process (first in this module: before the
     module's own Ray instance starts). Every engine option is left at its default (auto device,
@@ -81,7 +89,8 @@ def test_the_serve_cluster_command_with_default_engine_flags_serves_chat(model_d
         proc = subprocess.Popen([sys.executable, "-m", "spanserve.cli", "serve-cluster", "--replicas", "2",
                                  "--model", str(model_dir), "--port", str(port), "--kv-cache-memory", "16MiB",
                                  "--tool-call-parser", "hermes"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=_interactive_sigint)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
             _serving(c, proc, timeout=300)
