@@ -144,11 +144,11 @@ def _run(engine: LLMEngine, prompts: list) -> list[list[int]]:
     return [r.output_token_ids for r in reqs]
 
 
-@pytest.mark.parametrize("split,prerotate", [(0, False), (SPLIT, True)])
-def test_engine_short_steps_match_eager(tmp_path, split: int, prerotate: bool) -> None:
+@pytest.mark.parametrize("split,prerotate,kv", [(0, False, "auto"), (SPLIT, True, "auto"), (0, False, "fp8")])
+def test_engine_short_steps_match_eager(tmp_path, split: int, prerotate: bool, kv: str) -> None:
     """Prefill steps (plain prompts, span queries cold and warm with deltas) take the padded
     fixed-buffer path up to max_tokens and the general path above it; tokens match the eager
-    engine's."""
+    engine's. Over an 8-bit pool every prefill launch, fixed or not, reads staged bf16 copies."""
     path, _ = make_tiny_model("llama", tmp_path)
     gen = torch.Generator().manual_seed(4)
     doc, other = torch.randint(3, 384, (45,), generator=gen).tolist(), torch.randint(3, 384, (23,), generator=gen).tolist()
@@ -157,7 +157,8 @@ def test_engine_short_steps_match_eager(tmp_path, split: int, prerotate: bool) -
     def engine(graphs: bool | str) -> LLMEngine:
         return make_engine(str(path), block_size=8, num_blocks=160, max_num_batched_tokens=96,
                            backend=TritonBackend(LaunchConfig(32, 8, 4, 1) if split else SMALL, SMALL,
-                                                 split_programs=split, prerotate_prefill=prerotate), cuda_graphs=graphs)
+                                                 split_programs=split, prerotate_prefill=prerotate), cuda_graphs=graphs,
+                           kv_cache_dtype=kv)
 
     eager, fixed = engine(False), engine("eager")
     steps = fixed.executor.step_graphs
@@ -173,6 +174,8 @@ def test_engine_short_steps_match_eager(tmp_path, split: int, prerotate: bool) -
     shapes = [s for b in steps.static.sets.values() for s in b.layouts]
     assert any(s.small_fused for s in shapes)  # decode-size rows rotate Q in the kernel
     # warm prefill rows: their keys copied rotated by a counted pass, or Q rotated in the kernel
-    assert any(s.big_prerotated if prerotate else s.big_fused for s in shapes)
+    assert any(s.big_prerotated if prerotate or kv == "fp8" else s.big_fused for s in shapes)
+    if kv == "fp8":
+        assert fixed.storage.fp8 and not any(s.big_fused for s in shapes)
     if split:
         assert any(s.ways > 1 for s in shapes)
