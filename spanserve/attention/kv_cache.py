@@ -18,6 +18,7 @@ import torch
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 SCALE_DTYPE = torch.bfloat16
+SCALE_BYTES = 2  # SCALE_DTYPE's
 KV_DTYPES = ("auto", "fp8")
 
 
@@ -42,9 +43,6 @@ class Fp8Cache:
         return self.data.dtype
 
 
-LayerCache = "torch.Tensor | Fp8Cache"
-
-
 def scale_exponents(amax: torch.Tensor) -> torch.Tensor:
     """int32 k per row, the least with amax <= 448 * 2**k (within [-126, 126]), read from the
     float32 bits: amax = f * 2**e with f in [1, 2) needs k = e - 8, or e - 7 when f > 1.75."""
@@ -65,6 +63,17 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (q.float() * scale.float()[..., None]).to(dtype)
+
+
+def packed_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The element type of a pool of `dtype`'s blocks away from the device (tiers, tensor-parallel
+    transfers): an 8-bit pool's rows are bytes, the D values then the scale's."""
+    return torch.uint8 if dtype == FP8 else dtype
+
+
+def packed_row(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements (of `packed_dtype`) in one packed (slot, KV head) row of a pool of `dtype`."""
+    return head_dim + SCALE_BYTES if dtype == FP8 else head_dim
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -94,11 +103,3 @@ def write_rows(cache: "torch.Tensor | Fp8Cache", slots: torch.Tensor, x: torch.T
         cache.scale.view(-1, KVH)[slots] = s
     else:
         cache.view(-1, KVH, D)[slots] = x
-
-
-def as_model_dtype(cache: "torch.Tensor | Fp8Cache", dtype: torch.dtype) -> torch.Tensor:
-    """The whole cache in `dtype`, dequantized: what a kernel reading the 8-bit cache computes
-    over (tests compare the two)."""
-    if isinstance(cache, Fp8Cache):
-        return dequantize(cache.data, cache.scale, dtype)
-    return cache.to(dtype)

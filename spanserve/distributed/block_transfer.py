@@ -79,9 +79,8 @@ def serve_transfer(storage: KVStorage, msg: Any) -> None:
         for _, ids in _chunks(msg.ids):
             dist.gather(local_blocks(storage, ids), None, dst=0)
         return
-    shape = storage.packed(torch.zeros(0, dtype=torch.long, device=storage.k.device)).shape[2:]
     for _, ids in _chunks(msg.ids):
-        mine = torch.empty((len(ids), 2, *shape), dtype=storage.host_dtype, device=storage.k.device)
+        mine = torch.empty((len(ids), 2, *storage.packed_dims), dtype=storage.host_dtype, device=storage.k.device)
         dist.scatter(mine, None, src=0)
         put_blocks(storage, ids, mine)
 

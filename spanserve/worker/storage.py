@@ -9,22 +9,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from spanserve.attention.kv_cache import FP8, SCALE_DTYPE, Fp8Cache, dequantize, quantize
+from spanserve.attention.kv_cache import (
+    FP8, SCALE_BYTES, SCALE_DTYPE, Fp8Cache, dequantize, packed_dtype, packed_row, quantize,
+)
 from spanserve.model.config import ModelConfig
 from spanserve.worker import kv_upload
 
-_SCALE_BYTES = torch.empty((), dtype=SCALE_DTYPE).element_size()
-
-
-def row_bytes(head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one (slot, KV head) row in a pool of `dtype` (an 8-bit row carries its scale)."""
-    if dtype == FP8:
-        return head_dim + _SCALE_BYTES
-    return head_dim * torch.empty((), dtype=dtype).element_size()
-
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * config.num_layers * block_size * config.num_kv_heads * row_bytes(config.head_dim, dtype)
+    """All layers' K and V of one block in a pool of `dtype` (an 8-bit row carries its scale)."""
+    row = packed_row(config.head_dim, dtype) * torch.empty((), dtype=packed_dtype(dtype)).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * row
 
 
 class KVStorage:
@@ -48,7 +43,13 @@ class KVStorage:
     @property
     def host_dtype(self) -> torch.dtype:
         """The element type of a block away from the device (`packed`)."""
-        return torch.uint8 if self.fp8 else self.k.dtype
+        return packed_dtype(self.k.dtype)
+
+    @property
+    def packed_dims(self) -> tuple[int, int, int, int]:
+        """[L, bs, KVH, row] of one side (K or V) of a packed block."""
+        L, _, bs, kvh, d = self.k.shape
+        return L, bs, kvh, packed_row(d, self.k.dtype)
 
     def _tensors(self) -> list[torch.Tensor]:
         """Every pool tensor indexed [layer, block, slot, ...]."""
@@ -108,7 +109,7 @@ class KVStorage:
         views = []
         for which, (rows, scale) in enumerate(((self.k, self.k_scale), (self.v, self.v_scale))):
             views.append((rows.view(torch.uint8), which, slice(0, D)))
-            views.append((scale.view(torch.uint8).view(*scale.shape, _SCALE_BYTES), which, slice(D, None)))
+            views.append((scale.view(torch.uint8).view(*scale.shape, SCALE_BYTES), which, slice(D, None)))
         return views
 
     def packed(self, idx: torch.Tensor) -> torch.Tensor:

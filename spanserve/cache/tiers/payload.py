@@ -18,6 +18,8 @@ import numpy as np
 import torch
 import xxhash
 
+from spanserve.attention.kv_cache import packed_dtype, packed_row
+
 MAGIC = b"SSKV"
 VERSION = 2
 # magic, version, seal kind, dtype code, layers, block size, kv heads, head dim, fingerprint,
@@ -28,9 +30,8 @@ SEAL_BYTES = 16
 CHECKSUM, MAC = 1, 2  # seal kinds
 # the MAC is keyed for this use alone: a secret shared with something else signs nothing of it
 _MAC_CONTEXT = b"spanserve kv block payload v2\0"
-# float8 e4m3: rows of D value bytes and a bfloat16 scale (worker/storage.py), as uint8
+# float8 e4m3: rows of D value bytes and a bfloat16 scale (attention/kv_cache.packed_row), as uint8
 _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 4}
-_SCALE_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,11 @@ class BlockShape:
 
     @property
     def host_dtype(self) -> torch.dtype:
-        return torch.uint8 if self.dtype == torch.float8_e4m3fn else self.dtype
+        return packed_dtype(self.dtype)
 
     @property
     def dims(self) -> tuple[int, int, int, int, int]:
-        row = self.head_dim + (_SCALE_BYTES if self.dtype == torch.float8_e4m3fn else 0)
-        return (2, self.num_layers, self.block_size, self.num_kv_heads, row)
+        return (2, self.num_layers, self.block_size, self.num_kv_heads, packed_row(self.head_dim, self.dtype))
 
     @property
     def kv_bytes(self) -> int:
