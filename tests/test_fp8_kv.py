@@ -243,3 +243,22 @@ def test_packed_blocks_cut_along_heads_are_each_ranks_rows() -> None:
     for mine, whole in zip(rank._tensors(), st._tensors()):
         a, b = mine[:, :3, :, 0], whole[:, ids, :, 1]
         assert torch.equal(a.view(torch.uint8) if a.dtype == FP8 else a, b.view(torch.uint8) if b.dtype == FP8 else b)
+
+
+def test_an_fp8_pool_has_a_key_space_of_its_own_in_shared_tiers(loaded, tmp_path) -> None:
+    """Blocks of an 8-bit pool are other bytes than a float32 pool's of the same model: the
+    fingerprint that names the disk tier's folder (and the store's key prefix) says so; a pool in
+    the model's own dtype keeps the fingerprint it always had."""
+    from spanserve.model.fingerprint import model_fingerprint
+
+    dirs = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(loaded, block_size=4, num_blocks=64, kv_cache_dtype=kv,
+                  kv_offload={"disk_path": str(tmp_path / "disk"), "disk_bytes": 1 << 24})
+        dirs[kv] = llm.engine.tiers.disk.dir.name
+        llm.shutdown()
+    plain = model_fingerprint(loaded.config, loaded.weights, torch.float32, 4)
+    assert dirs["auto"] == plain.hex()
+    assert model_fingerprint(loaded.config, loaded.weights, torch.float32, 4, kv_dtype=torch.float32) == plain
+    assert dirs["fp8"] == model_fingerprint(loaded.config, loaded.weights, torch.float32, 4, kv_dtype=FP8).hex()
+    assert dirs["fp8"] != dirs["auto"]

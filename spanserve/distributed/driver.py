@@ -110,10 +110,10 @@ class TPDriver:
         return TPStorage(self.model.config, num_blocks, block_size, kv_dtype or self.model.dtype, self.model.device,
                          driver=self, whole=self.config)
 
-    def fingerprint(self, block_size: int) -> bytes:
+    def fingerprint(self, block_size: int, kv_dtype: torch.dtype | None = None) -> bytes:
         """The tiers' model identity, equal to what the same model gives at TP=1."""
         return whole_model_fingerprint(self.source, self.config, self.model.dtype, block_size, self.group.device,
-                                       self.model.quantization)
+                                       self.model.quantization, kv_dtype)
 
     def executor(self, storage: RecordingStorage, backend: Any, cuda_graphs: Any, max_batch: int = 256) -> "TPExecutor":
         return TPExecutor(self, ModelRunner(self.model, storage, backend, cuda_graphs, max_batch))

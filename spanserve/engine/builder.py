@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import xxhash
 
 from spanserve.attention.backend import AttentionBackend
 from spanserve.attention.kv_cache import cache_dtype
@@ -71,8 +70,8 @@ def build(config: EngineConfig) -> EngineParts:
     device, dtype = torch.device(config.model.device), DTYPES[config.model.dtype]
     cache, block_size = config.cache, config.cache.block_size
     cuts = config.parallel.emulate_tp if config.parallel.tensor_parallel_size == 1 else 1
-    side = _load(config, device, dtype, cuts)
     kv_dtype = cache_dtype(cache.kv_cache_dtype, dtype)
+    side = _load(config, device, dtype, cuts, kv_dtype)
     num_blocks = _num_blocks(config, side, device, kv_dtype)
     backend = config.runtime.backend
     backend = make_backend(backend) if isinstance(backend, str) else backend
@@ -82,10 +81,7 @@ def build(config: EngineConfig) -> EngineParts:
     if side.fingerprint is not None:
         c = side.config
         shape = BlockShape(c.num_layers, block_size, c.num_kv_heads, c.head_dim, kv_dtype)
-        fingerprint = side.fingerprint
-        if kv_dtype != dtype:  # other bytes for the same KV: a key space of their own in shared tiers
-            fingerprint = xxhash.xxh3_128(fingerprint + f"|kv {kv_dtype}".encode()).digest()
-        tiers = TierStack(OffloadConfig.of(cache.kv_offload), storage, shape, fingerprint)
+        tiers = TierStack(OffloadConfig.of(cache.kv_offload), storage, shape, side.fingerprint)
     pool = BlockPool(num_blocks, on_evict=tiers.on_evict if tiers else None)
     manager = CacheManager(pool, storage, block_size, cache.reposition, side.model.rotary, tiers)
     scheduler = Scheduler(manager, max_num_seqs(config, num_blocks), config.scheduler.max_num_batched_tokens)
@@ -114,7 +110,10 @@ def eos_token_ids(config: ModelConfig, tokenizer: Any) -> set[int]:
 
 
 # ---- one device or tensor parallelism ------------------------------------------------------------
-def _load(config: EngineConfig, device: torch.device, dtype: torch.dtype, cuts: int) -> LoadedSide:
+def _load(config: EngineConfig, device: torch.device, dtype: torch.dtype, cuts: int,
+          kv_dtype: torch.dtype) -> LoadedSide:
+    """The model (this rank's shard under TP) and, where tiers are configured, the identity of its
+    blocks in them (`kv_dtype`: the pool's element type)."""
     src, par = config.model.source, config.parallel
     tiers = OffloadConfig.of(config.cache.kv_offload) is not None  # resolved: None unless enabled
     if par.tensor_parallel_size > 1:
@@ -122,7 +121,7 @@ def _load(config: EngineConfig, device: torch.device, dtype: torch.dtype, cuts: 
 
         tp = TPDriver(src, par.tensor_parallel_size, device, dtype, par.tp_on_failure, par.tp_float32_reduce,
                       par.tp_peer_sum, config.model.quantization)
-        fingerprint = tp.fingerprint(config.cache.block_size) if tiers else None  # TP=1's identity
+        fingerprint = tp.fingerprint(config.cache.block_size, kv_dtype) if tiers else None  # TP=1's identity
         return LoadedSide(tp.model, tp.config, tp.tokenizer, tp, fingerprint)
     if isinstance(src, RandomWeights):
         loaded = src.whole(dtype, device)
@@ -133,7 +132,7 @@ def _load(config: EngineConfig, device: torch.device, dtype: torch.dtype, cuts: 
     fingerprint = None
     if tiers:
         fingerprint = model_fingerprint(loaded.config, loaded.weights, dtype, config.cache.block_size,
-                                        model.quantization)
+                                        model.quantization, kv_dtype)
     side = LoadedSide(model, loaded.config, loaded.tokenizer, None, fingerprint)
     if model.quantization is not None and device.type == "cuda":
         del loaded  # the dense weights quantized from: their memory free for the KV pool sized next

@@ -28,13 +28,17 @@ FINGERPRINT_BYTES = 1 << 16  # sampled from each of a few tensors: cheap, and an
 
 
 def model_fingerprint(config: object, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                      block_size: int, quantization: str | None = None) -> bytes:
+                      block_size: int, quantization: str | None = None,
+                      kv_dtype: torch.dtype | None = None) -> bytes:
     """16 bytes naming everything that makes two models' blocks differ: the architecture, the
-    weights (a sample of a few tensors' bytes), the KV dtype, the block size, the layout, and the
-    quantization the model runs (an FP8 model computes other KV from the same checkpoint)."""
+    weights (a sample of a few tensors' bytes), the dtype, the block size, the layout, the
+    quantization the model runs (an FP8 model computes other KV from the same checkpoint) and the
+    KV pool's dtype where it is not the model's (an 8-bit pool's blocks are other bytes)."""
     h = xxhash.xxh3_128()
     header = f"{LAYOUT_VERSION}|{config!r}|{dtype}|{block_size}"
-    h.update((header if quantization is None else f"{header}|{quantization}").encode())
+    header += "" if quantization is None else f"|{quantization}"
+    header += "" if kv_dtype in (None, dtype) else f"|kv {kv_dtype}"
+    h.update(header.encode())
     # An FP8 checkpoint's scales are skipped: no rank holds a row-parallel one's rows as TP=1 does,
     # and the FP8 bytes sampled beside them differ wherever the scales do.
     names = sorted(n for n in weights if not n.endswith("_scale"))
@@ -47,8 +51,10 @@ def model_fingerprint(config: object, weights: Mapping[str, torch.Tensor], dtype
 
 
 def whole_model_fingerprint(source: Any, config: ModelConfig, dtype: torch.dtype, block_size: int,
-                            device: torch.device, quantization: str | None = None) -> bytes:
-    return model_fingerprint(config, LeadingRows(source, config, dtype, device), dtype, block_size, quantization)
+                            device: torch.device, quantization: str | None = None,
+                            kv_dtype: torch.dtype | None = None) -> bytes:
+    return model_fingerprint(config, LeadingRows(source, config, dtype, device), dtype, block_size, quantization,
+                             kv_dtype)
 
 
 class LeadingRows(Mapping):
