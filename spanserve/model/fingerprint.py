@@ -89,15 +89,12 @@ class LeadingRows(Mapping):
         rows = min(shape[0], -(-(FINGERPRINT_BYTES // elem) // row))
         s = self.source
         if isinstance(s, MemoryWeights):
-            return self._cast(name, s.model.weights[name][:rows])
+            return fp8.loaded_as(name, s.model.weights[name][:rows], self.dtype)
         if isinstance(s, PathWeights):
-            return self._cast(name, _safetensors_rows(Path(s.path), name, rows))
+            return fp8.loaded_as(name, _safetensors_rows(Path(s.path), name, rows), self.dtype)
         if isinstance(s, RandomWeights):
             return _random_rows(s, name, shape, rows, self.dtype, self.device)
         raise TypeError(f"no fingerprint for weight source {type(s).__name__}")
-
-    def _cast(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        return t if fp8.keeps_dtype(name, t) else t.to(self.dtype)
 
 
 def _safetensors_rows(path: Path, name: str, rows: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ The CPU computes the same two functions in float32 and is the reference the test
 kernels against."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -177,6 +178,7 @@ def probe(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> None:
             scaled_mm_supported(device, dt)
 
 
+@functools.cache  # asked on every product of a CUDA step
 def _has_triton() -> bool:
     try:
         import triton  # noqa: F401
@@ -244,6 +246,12 @@ def checkpoint_quantization(hf_config: Mapping[str, Any], source: str) -> str | 
 def keeps_dtype(name: str, t: torch.Tensor) -> bool:
     """Tensors loading must not cast to the model's dtype: FP8 weights and their scales."""
     return t.dtype == FP8 or name.endswith(".weight_scale")
+
+
+def loaded_as(name: str, t: torch.Tensor, dtype: torch.dtype, device: "torch.device | None" = None) -> torch.Tensor:
+    """Checkpoint tensor `name` as loading places it: in the model's `dtype` (on `device`), except
+    what `keeps_dtype` keeps."""
+    return t.to(device=device) if keeps_dtype(name, t) else t.to(device=device, dtype=dtype)
 
 
 def row_scales(name: str, scale: torch.Tensor, rows: int) -> torch.Tensor:

@@ -153,9 +153,7 @@ class LlamaModel:
         if cuts > 1:
             from spanserve.model.cuts import Cuts
             self.cuts = Cuts(config, cuts)
-        self._weights = weights
         self.layers: list[_Layer] = [self._load_layer(w, weights, i) for i in range(config.num_layers)]
-        del self._weights
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         head = weights.get("lm_head.weight")
@@ -168,36 +166,31 @@ class LlamaModel:
         # that the model did not make.
         self._head_f32 = dtype != torch.float32 and has_mm_out_dtype(self.device, dtype)
 
-    def _proj(self, w: Callable[[str], torch.Tensor], names: list[str]) -> Proj:
-        """The named tensors stacked along the outputs; with cuts, one such stack per rank."""
+    def _proj(self, w: Callable[[str], torch.Tensor], weights: dict[str, torch.Tensor], names: list[str]) -> Proj:
+        """The named tensors stacked along the outputs; with cuts, one such stack per rank. In a
+        quantized model an FP8 checkpoint's tensors are taken as they are and dense ones quantized
+        (after the cuts' slicing: a row-parallel piece over its own columns' amax); an FP8
+        checkpoint's dense projections (its ignored layers) stay dense unless quantization is asked."""
         if self.quantization is not None and not names[0].endswith(".bias"):
-            return self._fp8_proj(w, names)
+            pieces = {n: self._fp8_piece(w, weights, n) for n in names}
+            if self.quantize or any(isinstance(p, Fp8Weight) for p in pieces.values()):
+                if self.cuts is None:
+                    return fp8.cat([fp8.as_fp8(p) for p in pieces.values()])
+                return self.cuts.fp8_pieces(pieces.__getitem__, names)
+            w = pieces.__getitem__  # fetched already: a worker's dict hands each tensor out once
         if self.cuts is None:
             return torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
         return self.cuts.pieces(w, names)
 
-    def _fp8_proj(self, w: Callable[[str], torch.Tensor], names: list[str]) -> Proj:
-        """`_proj` of a quantized model: an FP8 checkpoint's tensors as they are, dense ones
-        quantized (after the cuts' slicing: a row-parallel piece over its own columns' amax). An
-        FP8 checkpoint's dense projections (its ignored layers) stay dense unless asked."""
-        pieces = {n: self._fp8_piece(w, n) for n in names}
-        if not self.quantize and not any(isinstance(p, Fp8Weight) for p in pieces.values()):
-            if self.cuts is None:
-                return torch.cat(list(pieces.values())) if len(names) > 1 else pieces[names[0]]
-            return self.cuts.pieces(pieces.__getitem__, names)
-        if self.cuts is None:
-            return fp8.cat([fp8.as_fp8(p) for p in pieces.values()])
-        return self.cuts.fp8_pieces(pieces.__getitem__, names)
-
-    def _fp8_piece(self, w: Callable[[str], torch.Tensor], name: str) -> Weight:
-        t = self._weights.get(name)  # a look only (a worker's dict hands each tensor out once)
+    def _fp8_piece(self, w: Callable[[str], torch.Tensor], weights: dict[str, torch.Tensor], name: str) -> Weight:
+        t = weights.get(name)  # a look only (a worker's dict hands each tensor out once)
         if t is None or t.dtype != fp8.FP8:
             return w(name)
         scale = name + "_scale"
-        if scale not in self._weights:
+        if scale not in weights:
             raise ValueError(f"checkpoint is missing tensor {scale!r}")
-        q = self._weights[name].to(self.device).contiguous()
-        return Fp8Weight(q, self._weights[scale].to(device=self.device, dtype=torch.float32).contiguous())
+        q = weights[name].to(self.device).contiguous()
+        return Fp8Weight(q, weights[scale].to(device=self.device, dtype=torch.float32).contiguous())
 
     def _load_layer(self, w: Callable[[str], torch.Tensor], weights: dict[str, torch.Tensor], i: int) -> _Layer:
         c = self.config
@@ -205,7 +198,7 @@ class LlamaModel:
         a = p + "self_attn."
         bias = None
         if c.attention_bias:
-            bias = self._proj(w, [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
+            bias = self._proj(w, weights, [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
         elif self.cuts is not None:
             bias = [None] * self.cuts.n
 
@@ -213,11 +206,11 @@ class LlamaModel:
             return w(name) if c.qk_norm and name in weights else None
 
         return _Layer(
-            qkv=self._proj(w, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+            qkv=self._proj(w, weights, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
             qkv_bias=bias,
-            o=self._proj(w, [a + "o_proj.weight"]),
-            gate_up=self._proj(w, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-            down=self._proj(w, [p + "mlp.down_proj.weight"]),
+            o=self._proj(w, weights, [a + "o_proj.weight"]),
+            gate_up=self._proj(w, weights, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            down=self._proj(w, weights, [p + "mlp.down_proj.weight"]),
             input_norm=w(p + "input_layernorm.weight"),
             post_norm=w(p + "post_attention_layernorm.weight"),
             q_norm=opt(a + "q_norm.weight"),

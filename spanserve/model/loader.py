@@ -86,8 +86,7 @@ def load_model(
         config, weights, tokenizer = _load_hf_dir(path)
     _validate(config, weights, str(path))
     dev = torch.device(device)
-    weights = {name: t.to(device=dev) if fp8.keeps_dtype(name, t) else t.to(device=dev, dtype=dtype)
-               for name, t in weights.items()}
+    weights = {name: fp8.loaded_as(name, t, dtype, dev) for name, t in weights.items()}
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=str(path))
 
 

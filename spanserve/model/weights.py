@@ -26,8 +26,7 @@ _PIECES = 64  # random tensors are made of this many pieces along their split di
 
 def _finish(weights: dict[str, torch.Tensor], plan: ShardPlan, dtype: torch.dtype,
             device: torch.device) -> dict[str, torch.Tensor]:
-    out = {k: v.to(device=device) if fp8.keeps_dtype(k, v) else v.to(device=device, dtype=dtype)
-           for k, v in weights.items()}
+    out = {k: fp8.loaded_as(k, v, dtype, device) for k, v in weights.items()}
     if "lm_head.weight" not in out:  # tied: the head is a slice of the (whole) embedding
         full = weights["model.embed_tokens.weight"]
         out["lm_head.weight"] = plan.slice(full, "lm_head.weight").to(device=device, dtype=dtype)
