@@ -16,7 +16,8 @@ import test_triton_attention as tta  # noqa: E402
 from spanserve import LLM, SamplingParams, Segment  # noqa: E402
 from spanserve.attention.kv_cache import FP8, Fp8Cache, dequantize, quantize, read_rows  # noqa: E402
 from spanserve.attention.reference import ReferenceBackend  # noqa: E402
-from spanserve.attention.triton.backend import write_kv  # noqa: E402
+from spanserve.attention.triton.backend import rotate_keys, write_kv  # noqa: E402
+from spanserve.attention.triton.launch import Prerotation  # noqa: E402
 from spanserve.cache.tiers.payload import BadPayload, BlockKV, BlockShape, PayloadCodec  # noqa: E402
 from spanserve.model.config import ModelConfig  # noqa: E402
 from spanserve.model.loader import load_model  # noqa: E402
@@ -114,6 +115,29 @@ def test_fp8_attention_is_attention_over_the_dequantized_cache(mode: str, dtype:
     # the reference backend reads an 8-bit cache as its dequantized copy
     ref_fp8 = ref.attend(ref.prepare(case.plan, rotary, tta.BS), q.float(), k8, v8)
     assert torch.equal(ref_fp8, want)
+
+
+@pytest.mark.parametrize("kvh,counted", [(3, False), (8, True)])
+def test_staging_an_8bit_cache_turns_and_dequantizes_as_the_plain_kernel(kvh: int, counted: bool) -> None:
+    """The staging of an 8-bit cache (whole rows, keys and values together) writes what the plain
+    prerotation writes over the dequantized cache, bit for bit, for any number of KV heads; a
+    counted (graph) launch writes its first `count` rows."""
+    gen = torch.Generator().manual_seed(kvh)
+    D, slots_total, n = 16, 40, 23
+    k8 = _fp8_cache(torch.randn(slots_total // 4, 4, kvh, D, generator=gen) * 3)
+    v8 = _fp8_cache(torch.randn(slots_total // 4, 4, kvh, D, generator=gen))
+    src = torch.randint(0, slots_total, (n,), generator=gen, dtype=torch.int32)
+    delta = torch.randint(-500, 500, (n,), generator=gen, dtype=torch.int32)
+    count = torch.tensor([17], dtype=torch.int32) if counted else None
+    inv_freq = Rotary(D, 10000.0, None, torch.device("cpu")).inv_freq.float()
+    pre = Prerotation(src, delta, count)
+    k_out, v_out = rotate_keys(k8, pre, inv_freq, torch.float32, v8)
+    dk = dequantize(k8.data, k8.scale, torch.float32)
+    want_k, _ = rotate_keys(dk, pre, inv_freq, torch.float32)
+    used = 17 if counted else n
+    assert torch.equal(k_out[:used], want_k[:used])
+    dv = dequantize(v8.data, v8.scale, torch.float32).view(-1, kvh, D)
+    assert torch.equal(v_out[:used].view(used, kvh, D), dv[src[:used].long()])
 
 
 def _storage(seed: int, dtype: torch.dtype = FP8) -> KVStorage:

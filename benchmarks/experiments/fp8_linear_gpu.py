@@ -68,7 +68,7 @@ def measure(N: int, K: int, M: int, gen: torch.Generator) -> dict[str, float | N
 
 TUNE = [fp8_kernels.Fp8GemvConfig(*c) for c in (
     (32, 512, 4, 3), (16, 512, 2, 3), (32, 512, 4, 4), (32, 1024, 4, 3), (32, 512, 2, 3), (32, 256, 2, 4),
-    (16, 512, 2, 4), (16, 1024, 2, 3), (64, 256, 4, 2), (32, 256, 4, 4))]
+    (16, 512, 2, 4), (16, 1024, 2, 3), (64, 256, 4, 2), (32, 256, 4, 4), (32, 1024, 4, 4), (32, 256, 4, 2))]
 TUNE_SHAPES = dict(SHAPES, **{f"{k} TP=2": (N // 2, K) if k in ("qkv", "gate_up") else (N, K // 2)
                               for k, (N, K) in SHAPES.items()})
 
@@ -129,7 +129,8 @@ def main(argv: list[str]) -> None:
     print(format_table(headers, rows))
     path = write_json(args.out, {"benchmark": "fp8_linear_gpu", "device": torch.cuda.get_device_name(0),
                                  "weight_only_rows": fp8.WEIGHT_ONLY_ROWS,
-                                 "gemv_config": dataclasses.asdict(fp8_kernels.DEFAULT),
+                                 "gemv_config": {"short_k": dataclasses.asdict(fp8_kernels.SHORT_K),
+                                                 "long_k": dataclasses.asdict(fp8_kernels.LONG_K)},
                                  "shapes": res, "table": [list(map(str, r)) for r in rows]})
     print(f"wrote {path.name}")
 

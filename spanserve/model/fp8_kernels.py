@@ -80,16 +80,23 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constex
 @dataclass(frozen=True)
 class Fp8GemvConfig:
     block_n: int = 32  # at least 16: the tensor cores' smallest tile
-    block_k: int = 512
+    block_k: int = 256
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4
 
 
-DEFAULT = Fp8GemvConfig()
+# Measured on an H100 over Llama-3-8B's projections at one row (benchmarks/fp8_gemv.py): 256
+# columns a step in four stages is best or within 3% for K = 4096; down's K = 14336 wants 1024.
+SHORT_K = Fp8GemvConfig()
+LONG_K = Fp8GemvConfig(block_k=1024)
+
+
+def config_for(K: int) -> Fp8GemvConfig:
+    return LONG_K if K > 8192 else SHORT_K
 
 
 def gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None, cfg: Fp8GemvConfig = DEFAULT) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, cfg: Fp8GemvConfig | None = None) -> torch.Tensor:
     """(x [M, K] @ q[N, K].T) * scale (+ bias) -> [M, N], M <= 16; q float8_e4m3fn contiguous."""
     M, K = x.shape
     N = q.shape[0]
@@ -101,6 +108,7 @@ def gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
         return y
     if x.stride(-1) != 1:
         x = x.contiguous()
+    cfg = cfg or config_for(K)
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, q, scale, bias if bias is not None else scale, y, M, N, K, x.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
