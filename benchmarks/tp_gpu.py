@@ -14,6 +14,7 @@ prefill of the same tokens as one plain prompt.
 
     NCCL_NVLS_ENABLE=0 python benchmarks/tp_gpu.py
     NCCL_NVLS_ENABLE=0 python benchmarks/tp_gpu.py --model-shape 70b
+    NCCL_NVLS_ENABLE=0 python benchmarks/tp_gpu.py --kv-cache-dtype fp8 --quantization fp8 --variants tp2 tp1emu
     python benchmarks/tp_gpu.py --dry          # CPU, gloo, tiny shape: checks the script
 """
 from __future__ import annotations
@@ -65,7 +66,8 @@ class Run:
             model=RandomWeights(config, seed=self.args.seed), device=self.dev, dtype=self.dtype,
             backend=self.backend(v), tensor_parallel_size=v.tp, emulate_tp=v.emulate,
             tp_float32_reduce=v.float32_reduce, overlap=v.overlap, tp_peer_sum=v.peer_sum,
-            cuda_graphs=not self.args.no_graphs and "auto", **kw))
+            cuda_graphs=not self.args.no_graphs and "auto", kv_cache_dtype=self.args.kv_cache_dtype,
+            quantization=self.args.quantization, **kw))
         print(f"{v.name}: engine up in {time.perf_counter() - t0:.1f} s", flush=True)
         return eng
 
@@ -301,6 +303,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-min-tiles", type=int, default=4,
                     help="the Triton backend's decode_min_tiles (its default; the variants *tiles1 set 1)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="every engine's KV cache")
+    ap.add_argument("--quantization", choices=["fp8"], default=None, help="every engine's linear weights")
     ap.add_argument("--out", help="8B: the JSON's name under benchmarks/results (default tp_gpu.json)")
     ap.add_argument("--skip-timing", action="store_true", help="8B: greedy checks only")
     ap.add_argument("--seed", type=int, default=0)
