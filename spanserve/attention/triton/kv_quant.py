@@ -1,4 +1,4 @@
-"""The KV write of an 8-bit cache, and the staging of its rows for a prefill launch. The write: each (token, KV head) row quantized to float8 e4m3 with its
+"""The KV write of an 8-bit cache: each (token, KV head) row quantized to float8 e4m3 with its
 own power-of-two scale, exactly as `attention/kv_cache.quantize` does (the rounding is done in
 integer and exact float arithmetic: the Triton interpreter's own float -> e4m3 conversion does
 not round as the GPU's does, and the CPU tests run the interpreter)."""
@@ -69,42 +69,3 @@ def kv_write_fp8_kernel(
         row = slot * KVH + h
         tl.store(dst + row[:, None] * D + dd[None, :], q.to(dst.dtype.element_ty), mask=t_ok[:, None])
         tl.store(dst_s + row, scale.to(dst_s.dtype.element_ty), mask=t_ok)
-
-
-@triton.jit
-def stage_fp8_kernel(
-    k_rows_ptr, k_scale_ptr, k_out_ptr, slots_ptr, delta_ptr, inv_freq_ptr, count_ptr, n_keys,
-    v_rows_ptr, v_scale_ptr, v_out_ptr,
-    KVH: tl.constexpr, D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KVH: tl.constexpr, COUNTED: tl.constexpr,
-):
-    """rotate_keys_kernel for an 8-bit cache, with its values: row i of the scratch gets key
-    slots[i] dequantized and turned by delta[i], and its value dequantized, for every KV head.
-    Whole (key, KVH * D) rows are read at once, and the other half of each key's D through a
-    second load of the same (cached) bytes; loading D in halves, as the bf16 kernel does, kept
-    reads of these 1-byte rows too narrow: it moved 1.5 TB/s on an H100 where bf16 moves 3. The
-    arithmetic is the bf16 kernel's: (x * scale) cos(a) -/+ (swapped x * scale) sin(a) in float32."""
-    HALF: tl.constexpr = D // 2
-    W: tl.constexpr = KVH * D
-    if COUNTED:
-        n_keys = tl.load(count_ptr)
-    hh = tl.arange(0, BLOCK_KVH)
-    dd = tl.arange(0, D)
-    col = (hh * D)[None, :, None] + dd[None, None, :]
-    other = tl.where(dd < HALF, HALF, -HALF)[None, None, :]
-    sign = tl.where(dd < HALF, -1.0, 1.0)[None, None, :]
-    freq = tl.load(inv_freq_ptr + dd % HALF)[None, None, :]
-    for k0 in range(tl.program_id(0) * BLOCK_K, n_keys, tl.num_programs(0) * BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = (kk < n_keys)[:, None, None] & (hh < KVH)[None, :, None]
-        slot = tl.load(slots_ptr + kk, mask=kk < n_keys, other=0).to(tl.int64)[:, None, None]
-        ang = tl.load(delta_ptr + kk, mask=kk < n_keys, other=0).to(tl.float32)[:, None, None] * freq
-        src = k_rows_ptr + slot * W + col
-        ks = tl.load(k_scale_ptr + slot * KVH + hh[None, :, None], mask=k_ok, other=0.0).to(tl.float32)
-        x = tl.load(src, mask=k_ok, other=0.0).to(tl.float32) * ks
-        xs = tl.load(src + other, mask=k_ok, other=0.0).to(tl.float32) * ks
-        dst = kk.to(tl.int64)[:, None, None] * W + col
-        tl.store(k_out_ptr + dst, (x * tl.cos(ang) + (xs * sign) * tl.sin(ang)).to(k_out_ptr.dtype.element_ty),
-                 mask=k_ok)
-        vs = tl.load(v_scale_ptr + slot * KVH + hh[None, :, None], mask=k_ok, other=0.0).to(tl.float32)
-        v = tl.load(v_rows_ptr + slot * W + col, mask=k_ok, other=0.0).to(tl.float32) * vs
-        tl.store(v_out_ptr + dst, v.to(v_out_ptr.dtype.element_ty), mask=k_ok)
