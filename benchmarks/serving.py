@@ -330,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     d = Driver(a)
     print(f"preparing {a.model_dir} ...", flush=True)
-    prep = sh(["write-model", str(a.model_dir), *(["--dry"] if a.dry else [])], timeout=300)
+    prep = sh(["write-model", str(a.model_dir), *(["--dry"] if a.dry else []), "--kv-cache-dtype", a.kv_cache_dtype,
+               *(["--quantization", a.quantization] if a.quantization else [])], timeout=300)
     print(f"  model ready in {prep['seconds']:.0f} s: {prep['weight_bytes'] / 1e9:.2f} GB of weights per decode step, "
           f"{prep['kv_bytes_per_token'] / 1024:.0f} KiB KV per token; copy bandwidth {prep['copy_gbps']:.0f} GB/s",
           flush=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from common import llama3_8b_config
+from spanserve.model import fp8
 from spanserve.model.config import ModelConfig
 from spanserve.model.loader import expected_shapes
 
@@ -115,15 +116,23 @@ def write_model(path: Path, config: ModelConfig, device: torch.device, dtype: to
     word_tokenizer(config.vocab_size).save_pretrained(str(path))
 
 
-def sizes(config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
-    """(weight bytes a decode step reads, KV bytes per token)."""
+def sizes(config: ModelConfig, dtype: torch.dtype, quantization: str | None = None,
+          kv_cache_dtype: str = "auto") -> tuple[int, int]:
+    """(weight bytes a decode step reads, KV bytes per token) as the engine holds them: FP8
+    projections are 1 byte a weight and a float32 scale a row; an 8-bit KV row is D bytes and a
+    2-byte scale (attention/kv_cache.py)."""
     item = torch.empty((), dtype=dtype).element_size()
     shapes = expected_shapes(config)
-    n = sum(math.prod(s) for name, s in shapes.items() if name != "model.embed_tokens.weight")
-    if config.tie_word_embeddings:  # the embedding table is the LM head too: read every step
-        n += math.prod(shapes["model.embed_tokens.weight"])
-    kv = config.num_layers * 2 * config.num_kv_heads * config.head_dim * item
-    return n * item, kv
+    total = 0
+    for name, s in shapes.items():
+        if name == "model.embed_tokens.weight" and not config.tie_word_embeddings:
+            continue  # only looked up; tied, the table is the LM head too: read every step
+        if quantization == "fp8" and name.endswith(fp8.PROJECTIONS):
+            total += math.prod(s) + 4 * s[0]
+        else:
+            total += math.prod(s) * item
+    row = config.head_dim + 2 if kv_cache_dtype == "fp8" else config.head_dim * item
+    return total, config.num_layers * 2 * config.num_kv_heads * row
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -145,13 +154,13 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * x.numel() * x.element_size() / times[len(times) // 2] / 1e9
 
 
-def prepare(path: Path, dry: bool) -> Prepared:
+def prepare(path: Path, dry: bool, quantization: str | None = None, kv_cache_dtype: str = "auto") -> Prepared:
     t0 = time.perf_counter()
     device = torch.device("cpu" if dry else "cuda")
     config, dtype = (tiny(), torch.float32) if dry else (llama3_8b_config(), torch.bfloat16)
     if not (path / "config.json").is_file():
         write_model(path, config, device, dtype)
-    weight_bytes, kv = sizes(config, dtype)
+    weight_bytes, kv = sizes(config, dtype, quantization, kv_cache_dtype)
     return Prepared(str(path), config.vocab_size, weight_bytes, kv, copy_bandwidth(device), time.perf_counter() - t0)
 
 
@@ -159,5 +168,7 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="serving.py write-model", description=__doc__.split("\n\n")[0])
     ap.add_argument("path", type=Path)
     ap.add_argument("--dry", action="store_true", help="tiny float32 model on the CPU")
+    ap.add_argument("--quantization", default=None, help="the engine's: counts FP8 projections at 1 byte")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's: counts 8-bit KV rows")
     args = ap.parse_args(argv)
-    print(json.dumps(asdict(prepare(args.path, args.dry))), flush=True)
+    print(json.dumps(asdict(prepare(args.path, args.dry, args.quantization, args.kv_cache_dtype))), flush=True)
