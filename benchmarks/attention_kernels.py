@@ -159,9 +159,8 @@ def time_rows(label: str, rows_by_mode: dict[str, list[Row]], cfgs: list[LaunchC
         runs = {}
         for m, rs in rows_by_mode.items():
             tb = TritonBackend(prefill=cfg, prerotate_prefill=MODES[m][2], dense_prefill=0)
+            tb.stage_prefill = m == "zero copied"  # copy the keys although every delta is 0
             lay = tb.prepare(plan_for(rs), ROT, BS)
-            if m == "zero copied":
-                lay.has_delta = True  # take the prerotation path although every delta is 0
             tb.attend(lay, q, kc, vc)  # builds the launches
             if MODES[m][3]:
                 for launches in lay._launches.values():

@@ -43,6 +43,7 @@ from spanserve.attention.triton.launch import (
     Prerotation,
     StepLayout,
     _describe_host,
+    copies_keys,
     _RowHost,
     empty_launch,
     host_rows,
@@ -140,7 +141,7 @@ class StaticSteps:
         paths = [row_path(r.q_end - r.q_start, False, self.small_q, 0) for r in rows]  # no dense rows
         small = [r for r, p in zip(rows, paths) if p is RowPath.DECODE_LAUNCH]
         big = [r for r, p in zip(rows, paths) if p is RowPath.PREFILL_LAUNCH]
-        pre = (self.prerotate and any(r.span_delta.any() for r in big)) or (self.stage and bool(big))
+        pre = copies_keys(big, self.prerotate, self.stage)
         hs = _describe_host(small, self.small_q, self.small_n, False, self.small_split) if small else None
         hb = _describe_host(big, self.big_q, self.big_n, pre, self.split, fixed_ways=True) if big else None
         has_plus = any(h.anchor_end is not None or h.seg_start is not None for h in plan.rows)

@@ -119,7 +119,7 @@ class StepLayout:
             paths = [_row_path(r, small_q, dense_min) for r in self.rows]
             small = [r for r, p in zip(self.rows, paths) if p is RowPath.DECODE_LAUNCH]
             big = [r for r, p in zip(self.rows, paths) if p is RowPath.PREFILL_LAUNCH]
-            pre = (prerotate_big and self.has_delta) or stage_big
+            pre = copies_keys(big, prerotate_big, stage_big)
             self._launches[key] = (_describe(small, small_q, small_n, self, False, decode_split(split)),
                                    _describe(big, big_q, big_n, self, pre, split))
         return self._launches[key]
@@ -134,6 +134,12 @@ class StepLayout:
             # a dense row has more queries than any decode program holds
             self._dense[min_q] = [r for r in self.rows if _row_path(r, 0, min_q) is RowPath.DENSE]
         return self._dense[min_q]
+
+
+def copies_keys(big: list[_RowHost], prerotate: bool, stage: bool) -> bool:
+    """Whether the prefill launch over rows `big` copies its keys into scratch first: rotated
+    when some span turns and `prerotate` is on, and always to stage an 8-bit cache's rows."""
+    return bool(big) and ((prerotate and any(bool(r.span_delta.any()) for r in big)) or stage)
 
 
 def _row_path(r: _RowHost, small_q: int, dense_min: int) -> RowPath:
