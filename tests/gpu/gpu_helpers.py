@@ -1,11 +1,15 @@
-"""Pieces shared by the GPU tests: the Llama-3-8B shape, span layouts of random tokens, and the
-teardown that gives an engine's device memory back before the next one is built."""
+"""Pieces shared by the GPU tests: the Llama-3-8B shape, span layouts of random tokens, a cold
+then warm run of them, and the teardown that gives an engine's device memory back before the
+next one is built."""
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from spanserve import Segment
+from spanserve import LLM, SamplingParams, Segment
 from spanserve.model.shapes import llama3_8b
 
 LLAMA3_8B = llama3_8b()  # weights are random in these tests
@@ -35,3 +39,21 @@ def span_layouts(gen: torch.Generator, vocab: int, doc: list[int]) -> list[list[
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def cold_then_warm(make: Callable[[], LLM], lays: list, params: SamplingParams,
+                   check: Callable[[LLM], None] | None = None, **kw: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens of `lays` cold, then warm in the other order (each back in `lays`' order),
+    from the engine `make` builds (after `check` looks at it); it is shut down and its memory
+    released before this returns, so the caller holds no engine when it builds the next."""
+    llm = make()
+    try:
+        if check is not None:
+            check(llm)
+        cold = [o.token_ids for o in llm.generate(lays, params, **kw)]
+        warm = [o.token_ids for o in llm.generate(lays[::-1], params, **kw)][::-1]
+    finally:
+        llm.shutdown()
+        del llm
+        release()
+    return cold, warm

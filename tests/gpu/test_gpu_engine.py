@@ -6,9 +6,11 @@ backend's (each kernel alone is 2-3e-3 from float32), so logits are held to 5e-2
 are compared only where both sides run the same kernels, since random weights make near-ties."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from gpu_helpers import release, rel_err, span_layouts
+from gpu_helpers import cold_then_warm, release, rel_err, span_layouts
 from spanserve import LLM, SamplingParams
 from spanserve.attention.triton import TritonBackend
 from spanserve.engine.engine import LLMEngine
@@ -52,13 +54,8 @@ def test_tiny_model_on_cuda_gives_the_cpu_engines_tokens(tmp_path):
     outs = {}
     for name, dev, backend in [("cpu", "cpu", "reference"), ("cuda-reference", "cuda", "reference"),
                                ("cuda-triton", "cuda", TritonBackend())]:
-        llm = LLM(str(path), device=dev, dtype="float32", block_size=16, num_blocks=256, backend=backend)
-        cold = [o.token_ids for o in llm.generate(lays, params)]
-        warm = [o.token_ids for o in llm.generate(lays[::-1], params)][::-1]
-        outs[name] = (cold, warm)
-        llm.shutdown()
-        del llm
-        release()
+        outs[name] = cold_then_warm(partial(LLM, str(path), device=dev, dtype="float32", block_size=16, num_blocks=256,
+                                            backend=backend), lays, params)
     expect = outs["cpu"][0]
     assert all(len(t) == 16 for t in expect)
     for name in ("cuda-reference", "cuda-triton"):
@@ -78,13 +75,8 @@ def test_repaired_segments_on_cuda_give_the_cpu_engines_tokens(tmp_path):
     for policy in (Policy("none", temperature=0.5, log_scale=1.0), SparseQ(k=8, boundary=1, temperature=1.5, log_scale=-0.5)):
         outs = {}
         for name, dev, backend in [("cpu", "cpu", "reference"), ("cuda-triton", "cuda", TritonBackend())]:
-            llm = LLM(str(path), device=dev, dtype="float32", block_size=16, num_blocks=256, backend=backend)
-            cold = [o.token_ids for o in llm.generate(lays, params, policy=policy)]
-            warm = [o.token_ids for o in llm.generate(lays[::-1], params, policy=policy)][::-1]
-            outs[name] = (cold, warm)
-            llm.shutdown()
-            del llm
-            release()
+            outs[name] = cold_then_warm(partial(LLM, str(path), device=dev, dtype="float32", block_size=16,
+                                                num_blocks=256, backend=backend), lays, params, policy=policy)
         assert outs["cuda-triton"] == (outs["cpu"][0], outs["cpu"][0]), policy
 
 

@@ -3,11 +3,13 @@ cache against attention over its dequantized bfloat16 copy (bit for bit: the sca
 two), and the engine's span layouts cold and warm, with CUDA graphs."""
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 import test_gpu_attention_kernels as gk
-from gpu_helpers import release, span_layouts
+from gpu_helpers import cold_then_warm, span_layouts
 from spanserve import LLM, SamplingParams
 from spanserve.attention.kv_cache import FP8, Fp8Cache, dequantize, quantize
 from spanserve.attention.reference import ReferenceBackend
@@ -78,16 +80,12 @@ def test_span_layouts_cold_and_warm_under_fp8_kv(tmp_path) -> None:
     gen = torch.Generator().manual_seed(5)
     lays = span_layouts(gen, 384, torch.randint(3, 384, (37,), generator=gen).tolist())
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    def eight_bit(llm: LLM) -> None:
+        assert llm.engine.storage.k.dtype == FP8
+
     outs = {}
     for name, backend in [("reference", "reference"), ("triton", TritonBackend())]:
-        llm = LLM(str(path), device="cuda", dtype="float32", block_size=16, num_blocks=256, backend=backend,
-                  kv_cache_dtype="fp8")
-        assert llm.engine.storage.k.dtype == FP8
-        cold = [o.token_ids for o in llm.generate(lays, params)]
-        warm = [o.token_ids for o in llm.generate(lays[::-1], params)][::-1]
-        outs[name] = (cold, warm)
-        llm.shutdown()
-        del llm
-        release()
+        outs[name] = cold_then_warm(partial(LLM, str(path), device="cuda", dtype="float32", block_size=16, num_blocks=256,
+                                            backend=backend, kv_cache_dtype="fp8"), lays, params, check=eight_bit)
     assert outs["triton"][0] == outs["triton"][1]
     assert outs["triton"] == outs["reference"]

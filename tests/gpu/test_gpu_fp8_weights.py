@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from gpu_helpers import LLAMA3_8B, rel_err, release
 from span_helpers import capture_logits, run_all
