@@ -111,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--variants", nargs="+", default=None, metavar="LABEL",
                     help="run only these variants of the standard set (labels as printed, e.g. none full)")
     ap.add_argument("--out", default=None, help="file name under benchmarks/results/ (default quality[_quick].json)")
-    ap.add_argument("--plot", default=None, help="file name under docs/ (default quality[_quick].png)")
+    ap.add_argument("--plot", default=None, help="file name under docs/ (default: --out's name, .png)")
     args = ap.parse_args(argv)
     given = argv if argv is not None else sys.argv[1:]
     if args.quick and "--cases" not in given:
@@ -126,7 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.families = list(ALL_FAMILIES if args.tune or args.frontier is not None else FAMILIES)
     suffix = "_quick" if args.quick else ""
     args.out = args.out or f"quality{suffix}.json"
-    args.plot = args.plot or f"quality{suffix}.png"
+    # named after the JSON: a run with its own --out keeps the other runs' figures
+    args.plot = args.plot or f"{Path(args.out).stem}.png"
     return args
 
 
