@@ -13,13 +13,21 @@ import argparse
 import gc
 import itertools
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
-from common import format_table, llama3_8b_config, random_model, random_tokens, write_json  # noqa: E402
+from common import (  # noqa: E402
+    format_table,
+    llama3_8b_config,
+    random_model,
+    random_tokens,
+    tiny_llama_config,
+    write_json,
+)
 
 from spanserve.engine.layout import Segment  # noqa: E402
 from spanserve.engine.params import SamplingParams  # noqa: E402
@@ -54,36 +62,40 @@ def run_mode(name: str, weights: Any, args: argparse.Namespace) -> dict[str, Any
     llm = LLM(weights, device=args.device, dtype="bfloat16" if cuda else "float32", block_size=16,
               kv_cache_memory=int(args.kv_gib * 2**30), max_num_seqs=4, pin_fraction=0.6, max_model_len=longest,
               **MODES[name])
-    vocab = weights.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    steps = SamplingParams(max_tokens=1 + args.decode_tokens, temperature=0.0, ignore_eos=True)
-    out: dict[str, Any] = {}
     try:
-        llm.generate(random_tokens(gen, 128, vocab), steps)  # graphs for batch 1
-        out["decode step"] = profile(lambda: llm.generate(random_tokens(gen, 128, vocab), steps),
-                                     1 + args.decode_tokens, cuda)
-        llm.generate(random_tokens(gen, args.prefill, vocab), one)
-        out[f"{args.prefill}-token prefill"] = profile(
-            lambda: llm.generate(random_tokens(gen, args.prefill, vocab), one), 1, cuda)
-        docs = [random_tokens(gen, args.doc_len, vocab) for _ in range(args.docs)]
-        llm.pin([Segment(token_ids=d, kind="plus", key=f"d{i}") for i, d in enumerate(docs)], namespace="warm")
-
-        def warm() -> None:
-            order = torch.randperm(len(docs), generator=gen).tolist()
-            layout = [Segment(token_ids=docs[i], kind="plus") for i in order]
-            llm.generate(layout + [Segment(token_ids=random_tokens(gen, 64, vocab))], one, namespace="warm")
-
-        for _ in range(2):
-            warm()
-        out["warm RAG request"] = profile(lambda: [warm() for _ in range(3)], 3, cuda)
-        return out
+        return measure(llm, weights.config.vocab_size, args)
     finally:
         llm.shutdown()
         del llm
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+
+
+def measure(llm: LLM, vocab: int, args: argparse.Namespace) -> dict[str, Any]:
+    cuda = args.device == "cuda"
+    gen = torch.Generator().manual_seed(0)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    steps = SamplingParams(max_tokens=1 + args.decode_tokens, temperature=0.0, ignore_eos=True)
+    out: dict[str, Any] = {}
+    llm.generate(random_tokens(gen, 128, vocab), steps)  # graphs for batch 1
+    out["decode step"] = profile(lambda: llm.generate(random_tokens(gen, 128, vocab), steps),
+                                 1 + args.decode_tokens, cuda)
+    llm.generate(random_tokens(gen, args.prefill, vocab), one)
+    out[f"{args.prefill}-token prefill"] = profile(
+        lambda: llm.generate(random_tokens(gen, args.prefill, vocab), one), 1, cuda)
+    docs = [random_tokens(gen, args.doc_len, vocab) for _ in range(args.docs)]
+    llm.pin([Segment(token_ids=d, kind="plus", key=f"d{i}") for i, d in enumerate(docs)], namespace="warm")
+
+    def warm() -> None:
+        order = torch.randperm(len(docs), generator=gen).tolist()
+        layout = [Segment(token_ids=docs[i], kind="plus") for i in order]
+        llm.generate(layout + [Segment(token_ids=random_tokens(gen, 64, vocab))], one, namespace="warm")
+
+    for _ in range(2):
+        warm()
+    out["warm RAG request"] = profile(lambda: [warm() for _ in range(3)], 3, cuda)
+    return out
 
 
 def staging(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -139,12 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     args.device = "cpu" if args.dry else "cuda"
     if args.dry:
-        from spanserve.model.config import ModelConfig
-
         args.kv_gib, args.prefill, args.docs, args.doc_len, args.decode_tokens = 0.05, 256, 2, 64, 4
-        tiny = ModelConfig(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                           num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=8192, name="tiny")
-        weights = random_model(tiny, "cpu", torch.float32, seed=0)
+        weights = random_model(tiny_llama_config(), "cpu", torch.float32, seed=0)
         args.modes = [m for m in args.modes if m != "fp8"]  # FP8 weights want CUDA's kernels to be timed
     else:
         weights = random_model(llama3_8b_config(), "cuda", torch.bfloat16, seed=0)
