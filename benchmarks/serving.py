@@ -248,7 +248,7 @@ def offline(a: argparse.Namespace, sat: list[Request], warm: list[Request]) -> d
 
 
 def fp8_flags(a: argparse.Namespace) -> list[str]:
-    """The FP8 options, as both `spanserve serve` and the offline child take them."""
+    """The FP8 options, as `spanserve serve` and the write-model and offline children take them."""
     return [*(["--kv-cache-dtype", "fp8"] if a.kv_cache_dtype == "fp8" else []),
             *(["--quantization", a.quantization] if a.quantization else [])]
 
@@ -330,8 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     d = Driver(a)
     print(f"preparing {a.model_dir} ...", flush=True)
-    prep = sh(["write-model", str(a.model_dir), *(["--dry"] if a.dry else []), "--kv-cache-dtype", a.kv_cache_dtype,
-               *(["--quantization", a.quantization] if a.quantization else [])], timeout=300)
+    prep = sh(["write-model", str(a.model_dir), *(["--dry"] if a.dry else []), *fp8_flags(a)], timeout=300)
     print(f"  model ready in {prep['seconds']:.0f} s: {prep['weight_bytes'] / 1e9:.2f} GB of weights per decode step, "
           f"{prep['kv_bytes_per_token'] / 1024:.0f} KiB KV per token; copy bandwidth {prep['copy_gbps']:.0f} GB/s",
           flush=True)

@@ -119,7 +119,7 @@ def test_fp8_attention_is_attention_over_the_dequantized_cache(mode: str, dtype:
 
 @pytest.mark.parametrize("kvh,counted", [(3, False), (8, True)])
 def test_staging_an_8bit_cache_turns_and_dequantizes_as_the_plain_kernel(kvh: int, counted: bool) -> None:
-    """The staging of an 8-bit cache (whole rows, keys and values together) writes what the plain
+    """The staging of an 8-bit cache (keys and values in one pass) writes what the plain
     prerotation writes over the dequantized cache, bit for bit, for any number of KV heads; a
     counted (graph) launch writes its first `count` rows."""
     gen = torch.Generator().manual_seed(kvh)

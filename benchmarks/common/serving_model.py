@@ -21,9 +21,11 @@ from pathlib import Path
 import torch
 
 from common import llama3_8b_config
+from spanserve.attention.kv_cache import cache_dtype
 from spanserve.model import fp8
 from spanserve.model.config import ModelConfig
 from spanserve.model.loader import expected_shapes
+from spanserve.worker.storage import bytes_per_block
 
 # Offsets from the top of the vocabulary: Llama 3's ids (128000, ...) for its 128256 entries.
 SPECIAL = {0: "<|begin_of_text|>", 1: "<|end_of_text|>", 6: "<|start_header_id|>", 7: "<|end_header_id|>",
@@ -119,8 +121,8 @@ def write_model(path: Path, config: ModelConfig, device: torch.device, dtype: to
 def sizes(config: ModelConfig, dtype: torch.dtype, quantization: str | None = None,
           kv_cache_dtype: str = "auto") -> tuple[int, int]:
     """(weight bytes a decode step reads, KV bytes per token) as the engine holds them: FP8
-    projections are 1 byte a weight and a float32 scale a row; an 8-bit KV row is D bytes and a
-    2-byte scale (attention/kv_cache.py)."""
+    projections are 1 byte a weight and a float32 scale a row; KV as the pool stores it
+    (`bytes_per_block`: an 8-bit row carries its scale)."""
     item = torch.empty((), dtype=dtype).element_size()
     shapes = expected_shapes(config)
     total = 0
@@ -131,8 +133,7 @@ def sizes(config: ModelConfig, dtype: torch.dtype, quantization: str | None = No
             total += math.prod(s) + 4 * s[0]
         else:
             total += math.prod(s) * item
-    row = config.head_dim + 2 if kv_cache_dtype == "fp8" else config.head_dim * item
-    return total, config.num_layers * 2 * config.num_kv_heads * row
+    return total, bytes_per_block(config, 1, cache_dtype(kv_cache_dtype, dtype))
 
 
 def copy_bandwidth(device: torch.device) -> float:

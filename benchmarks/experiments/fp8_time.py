@@ -28,13 +28,12 @@ from common import (  # noqa: E402
     tiny_llama_config,
     write_json,
 )
+from fp8 import MODES  # noqa: E402  (benchmarks/fp8.py's modes)
 
 from spanserve.engine.layout import Segment  # noqa: E402
 from spanserve.engine.params import SamplingParams  # noqa: E402
 from spanserve.llm import LLM  # noqa: E402
 
-MODES: dict[str, dict[str, Any]] = {"bf16": {}, "fp8-kv": {"kv_cache_dtype": "fp8"},
-                                    "fp8": {"kv_cache_dtype": "fp8", "quantization": "fp8"}}
 TOP = 8
 
 

@@ -85,7 +85,8 @@ class Fp8GemvConfig:
     num_stages: int = 4
 
 
-# Measured on an H100 over Llama-3-8B's projections at one row (benchmarks/fp8_gemv.py): 256
+# Measured on an H100 over Llama-3-8B's projections at one row (benchmarks/experiments/
+# fp8_linear_gpu.py --tune and a wider sweep of the same kind): 256
 # columns a step in four stages is best or within 3% for K = 4096; down's K = 14336 wants 1024.
 SHORT_K = Fp8GemvConfig()
 LONG_K = Fp8GemvConfig(block_k=1024)
