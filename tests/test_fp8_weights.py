@@ -125,10 +125,11 @@ def test_activation_quantization_kernel_matches_torch():
     vals[:, 0] = 448.0
     x = vals * (2.0 ** torch.arange(-3, 4).float())[:, None]
     x[2] = 0
-    q, s = fp8_kernels.quantize_rows(x, block_k=32)
     q2, s2 = fp8.quantize_rows(x)
-    assert torch.equal(s, s2) and s[2] == 1
-    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+    for kw in ({"block_k": 32, "one_pass_max": 0}, {}):  # rows in tiles, read twice; whole rows, once
+        q, s = fp8_kernels.quantize_rows(x, **kw)
+        assert torch.equal(s, s2) and s[2] == 1
+        assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
 
 
 # ---- tiny models ----------------------------------------------------------------------------------
@@ -162,6 +163,31 @@ def test_quantized_tiny_model_tracks_the_dense_one(tiny):
     assert [o.token_ids for o in q.generate(PROMPTS, first)] == [o.token_ids for o in dense.generate(PROMPTS, first)]
     with pytest.raises(ValueError, match="quantization"):
         LLM(str(tiny), device="cpu", num_blocks=64, quantization="int4")
+
+
+def test_inputs_quantized_by_the_ops_before_them_give_the_same_bits(tiny, monkeypatch):
+    """A W8A8 step takes its projections' rows quantized by the norm or SiLU before them
+    (fp8.Fp8Rows); quantized inside the product instead, the logits are the same bits. Steps of up
+    to WEIGHT_ONLY_ROWS rows keep unquantized rows, and an Fp8Rows reaching them, or a dense
+    projection, is refused."""
+    q = LLM(str(tiny), device="cpu", block_size=BS, num_blocks=128, quantization="fp8")
+    model = q.engine.model
+    assert model._quantized_inputs
+    seen = []
+    real = fp8.fp8_linear
+    monkeypatch.setattr(fp8, "fp8_linear", lambda x, *a, **k: seen.append(type(x).__name__) or real(x, *a, **k))
+    fused_in = _prompt_logits(q, PROMPTS)
+    assert seen.count("Fp8Rows") == 3 * len(model.layers)  # qkv, gate_up and down of the 35-row prefill
+    assert "Tensor" in seen  # o's rows (the attention's output), and the 5-row prefill (weight-only)
+    apart = LLM(str(tiny), device="cpu", block_size=BS, num_blocks=128, quantization="fp8")  # a cold cache
+    apart.engine.model._quantized_inputs = False
+    for a, b in zip(fused_in, _prompt_logits(apart, PROMPTS)):
+        assert torch.equal(a, b)
+    rows = fp8.rows_of(torch.randn(3, 64))
+    with pytest.raises(ValueError, match="weight-only"):
+        fp8.fp8_linear(rows, quantize_weight(torch.randn(8, 64)))
+    with pytest.raises(ValueError, match="dense projection"):
+        fp8.mixed_linear(torch.nn.functional.linear)(rows, torch.randn(8, 64))
 
 
 def test_weight_only_model_is_the_dense_model_of_the_dequantized_weights(tiny, monkeypatch):

@@ -165,6 +165,30 @@ def test_silu_mul(T: int, dtype: torch.dtype) -> None:
         assert _frac_equal(out, ref32.to(BF16)) >= 0.99
 
 
+@pytest.mark.parametrize("T", TS)
+def test_quantizing_forms_are_their_outputs_quantized(T: int) -> None:
+    """With quant=True the norms and the SiLU hand an FP8 projection its rows already quantized:
+    the same bytes and scales as quantizing their bf16 outputs with the activation kernel."""
+    from spanserve.model import fp8_kernels
+    from spanserve.model.fp8 import Fp8Rows
+
+    g = _gen(650 + T)
+    w = _randn(g, HIDDEN, dtype=BF16)
+    x, r = _randn(g, T, HIDDEN, dtype=BF16) * 3, _randn(g, T, HIDDEN, dtype=BF16)
+    x[0] = -r[0]  # a zero sum: an all-zero normed row, scale 1
+    gate_up = _randn(g, T, 2 * INTER + 16, dtype=BF16)[:, 16:]
+    cases = [(fused.rms_norm(x, w, EPS, quant=True), fused.rms_norm(x, w, EPS)),
+             (fused.add_rms_norm(x, r, w, EPS, quant=True)[0], fused.add_rms_norm(x, r, w, EPS)[0]),
+             (fused.silu_mul(gate_up, quant=True), fused.silu_mul(gate_up))]
+    assert torch.equal(fused.add_rms_norm(x, r, w, EPS, quant=True)[1], fused.add_rms_norm(x, r, w, EPS)[1])
+    for rows, dense in cases:
+        assert isinstance(rows, Fp8Rows) and rows.dtype == BF16 and rows.shape == dense.shape
+        q, s = fp8_kernels.quantize_rows(dense)
+        assert torch.equal(rows.scale, s)
+        assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8))
+    assert cases[1][0].scale[0].item() == 1.0 and not cases[1][0].q[0].float().any()
+
+
 def test_empty_batch() -> None:
     g = _gen(700)
     w = _randn(g, HIDDEN)
@@ -176,6 +200,8 @@ def test_empty_batch() -> None:
     cos, sin = _cos_sin(g, 0, torch.float32)
     assert fused.rotary(q, cos, sin).shape == (0, H, D)
     assert fused.silu_mul(torch.empty(0, 2 * INTER)).shape == (0, INTER)
+    assert fused.silu_mul(torch.empty(0, 2 * INTER), quant=True).q.shape == (0, INTER)
+    assert fused.rms_norm(x, w, EPS, quant=True).q.shape == (0, HIDDEN)
 
 
 def test_bad_inputs() -> None:

@@ -71,6 +71,32 @@ class Fp8Weight:
 Weight = torch.Tensor | Fp8Weight
 
 
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activations already quantized per token for the W8A8 product (`quantize_rows` of the
+    `dtype` rows they replace): what the norm and SiLU ops hand an FP8 projection of a step with
+    more than WEIGHT_ONLY_ROWS rows, so that the rows are written once, in 8 bits, instead of
+    written in bf16, read back and quantized by a pass of their own."""
+
+    q: torch.Tensor  # [M, K] float8_e4m3fn, contiguous
+    scale: torch.Tensor  # [M, 1] float32
+    dtype: torch.dtype  # the rows' dtype before quantization: the product's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def rows_of(x: torch.Tensor) -> Fp8Rows:
+    """x [M, K] quantized per row, for ops that have no fused form."""
+    if x.is_cuda and _has_triton():
+        from spanserve.model import fp8_kernels
+        q, s = fp8_kernels.quantize_rows(x)
+    else:
+        q, s = quantize_rows(x)
+    return Fp8Rows(q, s, x.dtype)
+
+
 # ---- quantization -----------------------------------------------------------------------------
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale [rows, 1] float32) with each row over its own amax: the weights' rows and, in the
@@ -106,12 +132,18 @@ def cat(ws: list[Fp8Weight]) -> Fp8Weight:
 
 
 # ---- the product ------------------------------------------------------------------------------
-def fp8_linear(x: torch.Tensor, wt: Fp8Weight, bias: torch.Tensor | None = None,
+def fp8_linear(x: "torch.Tensor | Fp8Rows", wt: Fp8Weight, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [..., in] @ W.T (+ bias) in out_dtype (x's by default); see the module's docstring."""
+    """x [..., in] @ W.T (+ bias) in out_dtype (x's by default); see the module's docstring.
+    Fp8Rows (more than WEIGHT_ONLY_ROWS of them) go straight to the W8A8 product."""
     N, K = wt.shape
     if x.shape[-1] != K:
         raise ValueError(f"fp8_linear: x has {x.shape[-1]} features, the weight takes {K}")
+    if isinstance(x, Fp8Rows):
+        if x.shape[0] <= WEIGHT_ONLY_ROWS:
+            raise ValueError(f"{x.shape[0]} quantized rows: steps of up to {WEIGHT_ONLY_ROWS} rows take the "
+                             "weight-only product of unquantized rows")
+        return _scaled(x.q, x.scale, wt, bias, out_dtype or x.dtype)
     x2 = x.reshape(-1, K)
     out_dtype = out_dtype or x.dtype
     if x2.shape[0] <= WEIGHT_ONLY_ROWS:
@@ -134,13 +166,14 @@ def weight_only_linear(x: torch.Tensor, wt: Fp8Weight, bias: torch.Tensor | None
 def scaled_linear(x: torch.Tensor, wt: Fp8Weight, bias: torch.Tensor | None,
                   out_dtype: torch.dtype) -> torch.Tensor:
     """(xq @ q.T) * sx * scale (+ bias), x [M, K] quantized per token, float32 accumulation."""
+    rows = rows_of(x)
+    return _scaled(rows.q, rows.scale, wt, bias, out_dtype)
+
+
+def _scaled(xq: torch.Tensor, sx: torch.Tensor, wt: Fp8Weight, bias: torch.Tensor | None,
+            out_dtype: torch.dtype) -> torch.Tensor:
     N, K = wt.shape
-    if x.is_cuda and _has_triton():
-        from spanserve.model import fp8_kernels
-        xq, sx = fp8_kernels.quantize_rows(x)
-    else:
-        xq, sx = quantize_rows(x)
-    if x.is_cuda and K % 16 == 0 and N % 16 == 0 and scaled_mm_supported(x.device, out_dtype):
+    if xq.is_cuda and K % 16 == 0 and N % 16 == 0 and scaled_mm_supported(xq.device, out_dtype):
         # use_fast_accum off: Hopper's fast mode keeps fewer accumulator bits than float32
         y = torch._scaled_mm(xq, wt.q.t(), scale_a=sx, scale_b=wt.scale.view(1, N), out_dtype=out_dtype)
         return y if bias is None else y + bias.to(out_dtype)
@@ -191,9 +224,11 @@ def mixed_linear(dense: Callable[..., torch.Tensor]) -> Callable[..., torch.Tens
     """`dense` (F.linear or the bf16 matrix-vector kernel) for dense weights, fp8_linear for FP8 ones:
     a quantized model still has dense projections (an FP8 checkpoint's ignored layers)."""
 
-    def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(x: "torch.Tensor | Fp8Rows", w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(w, Fp8Weight):
             return fp8_linear(x, w, bias)
+        if isinstance(x, Fp8Rows):
+            raise ValueError("quantized activations reach a dense projection: only FP8 weights take Fp8Rows")
         return dense(x, w, bias)
 
     return linear

@@ -14,6 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from spanserve.model.fp8 import Fp8Rows
+from spanserve.model.fp8_kernels import quantize_tile
+
 try:
     from triton import knobs
 
@@ -34,8 +37,9 @@ def _round(x, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
 
 
 @triton.jit
-def _rms_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, inner, sxo, sxi, sro, sri, N, eps,
-                HAS_RES: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, EMU: tl.constexpr):
+def _rms_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, q_ptr, s_ptr, n_rows, inner, sxo, sxi, sro, sri, N, eps,
+                HAS_RES: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, EMU: tl.constexpr,
+                QUANT: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     cmask = cols < N
@@ -55,7 +59,14 @@ def _rms_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, inner, sxo, sxi, 
     inv = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=1) / N + eps))
     normed = _round(x * inv[:, None], x_ptr.dtype.element_ty, EMU).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + dst, _round(normed * w[None, :], out_ptr.dtype.element_ty, EMU), mask=mask)
+    out = _round(normed * w[None, :], out_ptr.dtype.element_ty, EMU)
+    if QUANT:
+        # the rounded rows, quantized as the FP8 product would quantize them after reading them back
+        q, scale = quantize_tile(tl.where(mask, out.to(tl.float32), 0.0))
+        tl.store(q_ptr + dst, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + rows, scale, mask=rows < n_rows)
+    else:
+        tl.store(out_ptr + dst, out, mask=mask)
 
 
 @triton.jit
@@ -91,6 +102,20 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, sgt, BLOCK: tl.constexpr, EMU: tl.const
     tl.store(out_ptr + t * I + cols, _round(out, out_ptr.dtype.element_ty, EMU), mask=mask)
 
 
+@triton.jit
+def _silu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, I, sgt, BLOCK: tl.constexpr, EMU: tl.constexpr):
+    # One program per row: the row's amax needs all of it.
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = cols < I
+    g = tl.load(gu_ptr + t * sgt + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * sgt + I + cols, mask=mask, other=0.0).to(tl.float32)
+    out = _round(g / (1.0 + tl.exp(-g)) * u, gu_ptr.dtype.element_ty, EMU).to(tl.float32)
+    q, scale = quantize_tile(out)
+    tl.store(q_ptr + t * I + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + t + tl.arange(0, 1), scale)
+
+
 def _check_last(name: str, t: torch.Tensor) -> None:
     if t.dim() == 0 or (t.shape[-1] > 1 and t.stride(-1) != 1):
         raise ValueError(f"{name} must have a unit-stride last dimension, got shape "
@@ -117,7 +142,7 @@ def _row_layout(*ts: torch.Tensor) -> tuple[int, list[tuple[int, int]]]:
 
 
 def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-          eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+          eps: float, quant: bool = False) -> "tuple[torch.Tensor | Fp8Rows, torch.Tensor | None]":
     _check_last("x", x)
     N = x.shape[-1]
     if weight.shape != (N,) or (N > 1 and weight.stride(0) != 1):
@@ -128,31 +153,41 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
             raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
                              f"x {tuple(x.shape)} {x.dtype}")
     # Same promotion as the eager `weight * normed`.
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    summed = torch.empty_like(out, dtype=x.dtype) if residual is not None else None
+    dtype = torch.promote_types(x.dtype, weight.dtype)
     n_rows = x.numel() // max(N, 1)
+    rows = None
+    if quant:
+        rows = Fp8Rows(torch.empty(n_rows, N, dtype=torch.float8_e4m3fn, device=x.device),
+                       torch.empty(n_rows, 1, dtype=torch.float32, device=x.device), dtype)
+        out = torch.empty(1, dtype=dtype, device=x.device)  # not written: gives the kernel the rows' dtype
+    else:
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     if n_rows == 0 or N == 0:
-        return out, summed
+        return rows if rows is not None else out, summed
     inner, strides = _row_layout(x, *([residual] if residual is not None else []))
     (sxo, sxi), (sro, sri) = strides[0], strides[-1]
     BLOCK = triton.next_power_of_2(N)
     ROWS = max(1, min(16, 1024 // BLOCK))  # keep small-N programs (per-head norms) busy
+    q, s = (rows.q, rows.scale) if rows is not None else (out, out)
     _rms_kernel[(triton.cdiv(n_rows, ROWS),)](
-        x, residual if residual is not None else x, weight, out, summed if summed is not None else out,
+        x, residual if residual is not None else x, weight, out, summed if summed is not None else out, q, s,
         n_rows, inner, sxo, sxi, sro, sri, N, eps, HAS_RES=residual is not None, BLOCK=BLOCK,
-        ROWS=ROWS, EMU=_INTERPRET, num_warps=min(8, max(1, BLOCK * ROWS // 256)))
-    return out, summed
+        ROWS=ROWS, EMU=_INTERPRET, QUANT=quant, num_warps=min(8, max(1, BLOCK * ROWS // 256)))
+    return rows if rows is not None else out, summed
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """layers.rms_norm; x [..., N] with free leading strides (collapsible to two). Contiguous out."""
-    return _norm(x, None, weight, eps)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: bool = False) -> "torch.Tensor | Fp8Rows":
+    """layers.rms_norm; x [..., N] with free leading strides (collapsible to two). Contiguous out;
+    with `quant`, its rows [n, N] quantized for an FP8 projection instead (fp8.rows_of of it)."""
+    return _norm(x, None, weight, eps, quant)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(residual + x), residual + x), both new contiguous tensors; inputs untouched."""
-    out, summed = _norm(x, residual, weight, eps)
+                 eps: float, quant: bool = False) -> "tuple[torch.Tensor | Fp8Rows, torch.Tensor]":
+    """(rms_norm(residual + x), residual + x), both new contiguous tensors; inputs untouched.
+    `quant`: the first quantized, as rms_norm's."""
+    out, summed = _norm(x, residual, weight, eps, quant)
     assert summed is not None
     return out, summed
 
@@ -182,12 +217,21 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up [T, 2*I] = [gate | up] (free row stride). Contiguous [T, I]."""
+def silu_mul(gate_up: torch.Tensor, quant: bool = False) -> "torch.Tensor | Fp8Rows":
+    """silu(gate) * up for gate_up [T, 2*I] = [gate | up] (free row stride). Contiguous [T, I];
+    with `quant`, quantized for an FP8 projection instead (fp8.rows_of of it)."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [T, 2*I], got shape {tuple(gate_up.shape)}")
     _check_last("gate_up", gate_up)
     T, I = gate_up.shape[0], gate_up.shape[1] // 2
+    if quant:
+        rows = Fp8Rows(torch.empty(T, I, dtype=torch.float8_e4m3fn, device=gate_up.device),
+                       torch.empty(T, 1, dtype=torch.float32, device=gate_up.device), gate_up.dtype)
+        if T and I:
+            BLOCK = triton.next_power_of_2(I)
+            _silu_mul_quant_kernel[(T,)](gate_up, rows.q, rows.scale, I, gate_up.stride(0), BLOCK=BLOCK,
+                                         EMU=_INTERPRET, num_warps=max(4, min(16, BLOCK // 1024)))
+        return rows
     out = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
     if out.numel() == 0:
         return out

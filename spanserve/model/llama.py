@@ -49,22 +49,26 @@ class _Eager:
     """The elementwise ops as plain torch (any device); spanserve.model.fused has the same four
     as Triton kernels, one memory pass each."""
 
-    rms_norm = staticmethod(rms_norm)
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: bool = False) -> "torch.Tensor | fp8.Fp8Rows":
+        out = rms_norm(x, weight, eps)
+        return fp8.rows_of(out.reshape(-1, out.shape[-1])) if quant else out
 
     @staticmethod
     def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float, quant: bool = False) -> "tuple[torch.Tensor | fp8.Fp8Rows, torch.Tensor]":
         h = residual + x
-        return rms_norm(h, weight, eps), h
+        return _Eager.rms_norm(h, weight, eps, quant), h
 
     @staticmethod
     def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rotary(x, cos, sin).contiguous()
 
     @staticmethod
-    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(gate_up: torch.Tensor, quant: bool = False) -> "torch.Tensor | fp8.Fp8Rows":
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        out = F.silu(gate) * up
+        return fp8.rows_of(out) if quant else out
 
 
 def _ops(fused: bool | None, device: torch.device) -> object:
@@ -154,6 +158,9 @@ class LlamaModel:
             from spanserve.model.cuts import Cuts
             self.cuts = Cuts(config, cuts)
         self.layers: list[_Layer] = [self._load_layer(w, weights, i) for i in range(config.num_layers)]
+        # A W8A8 product's rows come quantized out of the norm or SiLU before it (one pass over
+        # them, not three); shards and cuts hand their products whole rows.
+        self._quantized_inputs = self.quantization is not None and self.cuts is None and group is None
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         head = weights.get("lm_head.weight")
@@ -251,25 +258,33 @@ class LlamaModel:
                 prepared = backend.prepare(sub, self.rotary, block_size)
                 cos, sin = (cos_all, sin_all) if idx is None else (cos_all[idx], sin_all[idx])
             hx = h if idx is None else h[idx]
-            nxt = (self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm) if chain_norms else None
-            x, hx = self._layer(i, L, x, hx, nxt, cos, sin, backend, prepared, k_caches[i], v_caches[i], hooks, idx)
+            last = i + 1 == len(self.layers)
+            nxt = (self.norm if last else self.layers[i + 1].input_norm) if chain_norms else None
+            quant_next = nxt is not None and not last and self._feeds(self.layers[i + 1].qkv, hx.shape[0])
+            x, hx = self._layer(i, L, x, hx, nxt, quant_next, cos, sin, backend, prepared, k_caches[i], v_caches[i],
+                                hooks, idx)
             if idx is None:
                 h = hx
             else:
                 h[idx] = hx
         return x if x is not None else self.ops.rms_norm(h, self.norm, self.config.rms_norm_eps)
 
-    def _layer(self, i: int, L: _Layer, x: torch.Tensor | None, hx: torch.Tensor, nxt: torch.Tensor | None,
-               cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend, prepared: object,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, hooks: LayerHooks | None,
-               idx: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _feeds(self, w: Weight, rows: int) -> bool:
+        """Whether the input of projection `w` over `rows` rows comes quantized (fp8.Fp8Rows)."""
+        return self._quantized_inputs and isinstance(w, fp8.Fp8Weight) and rows > fp8.WEIGHT_ONLY_ROWS
+
+    def _layer(self, i: int, L: _Layer, x: "torch.Tensor | fp8.Fp8Rows | None", hx: torch.Tensor,
+               nxt: torch.Tensor | None, quant_next: bool, cos: torch.Tensor, sin: torch.Tensor,
+               backend: AttentionBackend, prepared: object, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               hooks: LayerHooks | None, idx: torch.Tensor | None) -> "tuple[torch.Tensor | fp8.Fp8Rows | None, torch.Tensor]":
         """Decoder layer i over the active rows hx: (the sum normed by `nxt` or None, the sum).
-        x: hx normed by this layer's input norm, when the previous layer's sum made it."""
+        x: hx normed by this layer's input norm, when the previous layer's sum made it;
+        `quant_next`: the normed sum goes to the next layer's projection quantized."""
         c, ops = self.config, self.ops
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         T = hx.shape[0]
         if x is None:
-            x = ops.rms_norm(hx, L.input_norm, c.rms_norm_eps)
+            x = ops.rms_norm(hx, L.input_norm, c.rms_norm_eps, self._feeds(L.qkv, T))
         if self.cuts is None:
             qkv = self.linear(x, L.qkv, L.qkv_bias)
         else:
@@ -288,26 +303,28 @@ class LlamaModel:
         if hooks is not None:
             hooks.after_write(i, q, k, v, idx, k_cache, v_cache)
         attn = backend.attend(prepared, q, k_cache, v_cache)
-        x, hx = self._add(attn if self.cuts is None else self.cuts.heads(attn), L.o, hx, L.post_norm)
+        x, hx = self._add(attn if self.cuts is None else self.cuts.heads(attn), L.o, hx, L.post_norm,
+                          self._feeds(L.gate_up, T))
         if self.cuts is None:
-            act = ops.silu_mul(self.linear(x, L.gate_up))
+            act = ops.silu_mul(self.linear(x, L.gate_up), self._feeds(L.down, T))
         else:
             act = [ops.silu_mul(self.linear(x, g)) for g in L.gate_up]
-        return self._add(act, L.down, hx, nxt)
+        return self._add(act, L.down, hx, nxt, quant_next)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.group is None else self.group.all_reduce(x)
 
-    def _add(self, x: torch.Tensor, weight: Weight, residual: torch.Tensor,
-             norm: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _add(self, x: "torch.Tensor | fp8.Fp8Rows", weight: Weight, residual: torch.Tensor,
+             norm: torch.Tensor | None, quant: bool = False) -> "tuple[torch.Tensor | fp8.Fp8Rows | None, torch.Tensor]":
         """(rms_norm(h) * norm or None, h) with h = residual + x @ weight.T (on a shard: summed
-        over ranks, through peer memory with the add and norm fused where the group can)."""
+        over ranks, through peer memory with the add and norm fused where the group can);
+        `quant`: the normed rows quantized for an FP8 projection (fp8.Fp8Rows)."""
         if self.group is not None and self.group.fuses(residual):
             return self.group.reduce_add(self.linear(x, weight), residual, norm, self.config.rms_norm_eps)
         y = self.row_linear(x, weight)
         if norm is None:
             return None, residual + y
-        return self.ops.add_rms_norm(y, residual, norm, self.config.rms_norm_eps)
+        return self.ops.add_rms_norm(y, residual, norm, self.config.rms_norm_eps, quant)
 
     def row_linear(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
         """x @ weight.T; on a shard, the partial products summed over ranks (o and down); with

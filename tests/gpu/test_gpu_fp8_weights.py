@@ -75,6 +75,26 @@ def test_activation_quantization_kernel_is_torch_bit_for_bit():
         assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
 
 
+def test_fused_quantizing_ops_are_torch_quantizing_their_outputs():
+    """The norms and the SiLU with quant=True (what a W8A8 step's qkv, gate_up and down read) give
+    the bytes and scales fp8.quantize_rows gives of their bf16 outputs, at Llama-3-8B's widths."""
+    from spanserve.model import fused
+
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    w = torch.randn(4096, generator=gen, device=DEV).bfloat16()
+    for T in (17, 300):
+        x = (torch.randn(T, 4096, generator=gen, device=DEV) * 4).bfloat16()
+        r = torch.randn(T, 4096, generator=gen, device=DEV).bfloat16()
+        r[1] = -x[1]  # an all-zero row
+        gate_up = (torch.randn(T, 2 * 14336, generator=gen, device=DEV) * 3).bfloat16()
+        for rows, dense in ((fused.rms_norm(x, w, 1e-5, quant=True), fused.rms_norm(x, w, 1e-5)),
+                            (fused.add_rms_norm(x, r, w, 1e-5, quant=True)[0], fused.add_rms_norm(x, r, w, 1e-5)[0]),
+                            (fused.silu_mul(gate_up, quant=True), fused.silu_mul(gate_up))):
+            q, s = fp8.quantize_rows(dense)
+            assert torch.equal(rows.scale, s)
+            assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8))
+
+
 @pytest.mark.parametrize("name", SHAPES)
 def test_scaled_mm_path_against_float64(name):
     if not fp8.scaled_mm_supported(DEV, torch.bfloat16):
@@ -99,18 +119,24 @@ def test_engine_fp8_decode_graphs_equal_eager_steps(model_8b):
     """An 8B-shaped random model with quantization="fp8": prompt-end logits within ENGINE_TOL of
     the bf16 model's, and greedy decoding of 3 requests (the weight-only kernel: 3 rows eager, 4 in
     the graph, the same tile) through CUDA graphs equal to eager steps. The prompts (300 tokens
-    together) are past the step graphs' 256, so both runs prefill eagerly through _scaled_mm."""
+    together) are past the step graphs' 256, so both runs prefill eagerly through _scaled_mm; with
+    the rows quantized by the product instead of the ops before it, the logits are the same bits."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, LLAMA3_8B.vocab_size, (100,), generator=gen).tolist() for _ in range(3)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     tokens, logits = {}, {}
-    for quant, graphs in ((None, "auto"), ("fp8", "auto"), ("fp8", False)):
-        llm = LLM(model_8b, device="cuda", dtype="bfloat16", quantization=quant, cuda_graphs=graphs,
+    for quant, graphs in ((None, "auto"), ("fp8", "auto"), ("fp8", False), ("fp8 unfused", False)):
+        llm = LLM(model_8b, device="cuda", dtype="bfloat16", quantization=quant and "fp8", cuda_graphs=graphs,
                   kv_cache_memory=2 << 30, max_num_seqs=8)
-        assert llm.engine.model.quantization == quant
+        assert llm.engine.model.quantization == (quant and "fp8")
+        if quant == "fp8 unfused":  # the prefill's projections quantize their own rows
+            llm.engine.model._quantized_inputs = False
         seen = capture_logits(llm.engine)
         logits[quant, graphs] = [seen[r].float() for r in run_all(llm.engine, prompts)]
-        tokens[quant, graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        if quant == "fp8 unfused":
+            assert all(torch.equal(a, b) for a, b in zip(logits[quant, graphs], logits["fp8", False]))
+        else:
+            tokens[quant, graphs] = [o.token_ids for o in llm.generate(prompts, params)]
         llm.shutdown()
         del llm
         release()
