@@ -77,19 +77,20 @@ def test_activation_quantization_kernel_is_torch_bit_for_bit():
 
 def test_fused_quantizing_ops_are_torch_quantizing_their_outputs():
     """The norms and the SiLU with quant=True (what a W8A8 step's qkv, gate_up and down read) give
-    the bytes and scales fp8.quantize_rows gives of their bf16 outputs, at Llama-3-8B's widths.
+    the bytes and scales fp8.quantize_rows gives of their bf16 outputs, at Llama-3-8B's widths and
+    SmolLM2's (not powers of two: masked columns).
     Bit for bit on these inputs; compiled apart, the two norm kernels may sum a row's squares in
     another order, and an engine run met one call in 32 where 25 of 1.2M codes moved one step
     (the engine test below bounds what that does to logits)."""
     from spanserve.model import fused
 
     gen = torch.Generator(device=DEV).manual_seed(1)
-    w = torch.randn(4096, generator=gen, device=DEV).bfloat16()
-    for T in (17, 300):
-        x = (torch.randn(T, 4096, generator=gen, device=DEV) * 4).bfloat16()
-        r = torch.randn(T, 4096, generator=gen, device=DEV).bfloat16()
+    for T, hidden, inter in ((17, 4096, 14336), (300, 4096, 14336), (40, 576, 1536)):  # 576, 1536: SmolLM2's
+        w = torch.randn(hidden, generator=gen, device=DEV).bfloat16()
+        x = (torch.randn(T, hidden, generator=gen, device=DEV) * 4).bfloat16()
+        r = torch.randn(T, hidden, generator=gen, device=DEV).bfloat16()
         r[1] = -x[1]  # an all-zero row
-        gate_up = (torch.randn(T, 2 * 14336, generator=gen, device=DEV) * 3).bfloat16()
+        gate_up = (torch.randn(T, 2 * inter, generator=gen, device=DEV) * 3).bfloat16()
         for rows, dense in ((fused.rms_norm(x, w, 1e-5, quant=True), fused.rms_norm(x, w, 1e-5)),
                             (fused.add_rms_norm(x, r, w, 1e-5, quant=True)[0], fused.add_rms_norm(x, r, w, 1e-5)[0]),
                             (fused.silu_mul(gate_up, quant=True), fused.silu_mul(gate_up))):
