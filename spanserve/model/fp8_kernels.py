@@ -8,8 +8,8 @@ product: the FMA kernel (gemv.py's, with FP8 loads) reached 1.4-1.9 TB/s of weig
 converted to fp16 and fed to the tensor cores the same weights stream at 1.6-2.6 TB/s, as fast at
 16 rows as at one. Neither is bound by its conversions: an FMA kernel converting with integer
 shifts alone is no faster, and on qkv, o and gate_up this kernel is within 2-9% of one that only
-reads its tiles (benchmarks/experiments/fp8_gemv_bounds_gpu.py). fp16 holds e4m3 exactly; x is scaled by X_SHIFT (a power of two, undone with the row scale)
-so that fp16's range holds it exactly (|x| from 2^-8 to 2^22; smaller values lose low bits).
+reads its tiles (benchmarks/experiments/fp8_gemv_bounds_gpu.py). fp16 holds e4m3 exactly; x is
+scaled by X_SHIFT (a power of two, undone with the row scale) so that fp16's range holds it exactly (|x| from 2^-8 to 2^22; smaller values lose low bits).
 x stays unquantized: a small step's time is the weight's bytes. No split along K: one launch,
 and a weight row's result depends on K and the tile only, so a column-parallel shard's outputs
 equal the whole's."""
@@ -28,13 +28,23 @@ X_SHIFT: tl.constexpr = tl.constexpr(2.0 ** -6)
 
 
 @triton.jit
+def _scale_of(amax):
+    # fp8.quantize_rows' arithmetic: amax times 1/448; an all-zero row gets scale 1
+    return tl.where(amax > 0, amax * INV_FP8_MAX, 1.0)
+
+
+@triton.jit
+def _codes(x, scale):
+    # x / scale divided exactly (div_rn) and clamped: the e4m3 values as float32, ready to store
+    return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+
+
+@triton.jit
 def quantize_tile(x):
     """Each row of x [R, C] (float32; masked columns zero) over its own amax: (the e4m3 values as
-    float32, clamped, ready to store; the scales [R]). fp8.quantize_rows' arithmetic: the scale is
-    amax times 1/448, the division exact (div_rn), an all-zero row gets scale 1."""
-    m = tl.max(tl.abs(x), axis=1)
-    scale = tl.where(m > 0, m * INV_FP8_MAX, 1.0)
-    return tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX), scale
+    float32, clamped, ready to store; the scales [R]), as fp8.quantize_rows computes them."""
+    scale = _scale_of(tl.max(tl.abs(x), axis=1))
+    return _codes(x, scale[:, None]), scale
 
 
 @triton.jit
@@ -68,8 +78,8 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_y
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
-    # One program per row: its amax, then the row divided by amax / 448. The scale multiplied by
-    # 1/448 and the row divided exactly (div_rn), as torch does: the bytes equal fp8.quantize_rows'.
+    # One program per row: its amax, then the row divided by amax / 448 (_scale_of, _codes): the
+    # bytes equal fp8.quantize_rows'.
     # ONE_PASS: the whole row is one tile, held between the two steps (read once, not twice).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
@@ -85,14 +95,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constex
         for k in range(0, K, BLOCK_K):
             x = tl.load(x_row + k + cols, mask=(k + cols) < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        m = tl.max(amax, axis=0)
-        scale = tl.where(m > 0, m * INV_FP8_MAX, 1.0)
+        scale = _scale_of(tl.max(amax, axis=0))
         tl.store(s_ptr + row, scale)
         for k in range(0, K, BLOCK_K):
             kmask = (k + cols) < K
             x = tl.load(x_row + k + cols, mask=kmask, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-            tl.store(q_ptr + row * K + k + cols, q.to(q_ptr.dtype.element_ty), mask=kmask)
+            tl.store(q_ptr + row * K + k + cols, _codes(x, scale).to(q_ptr.dtype.element_ty), mask=kmask)
 
 
 @dataclass(frozen=True)

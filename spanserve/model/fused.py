@@ -92,14 +92,19 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, sxt, sxh, sct, sst, HALF
 
 
 @triton.jit
+def _silu_times(g, u):
+    # float32 in and out; both SiLU kernels, so the quantizing one quantizes the plain one's values
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, I, sgt, BLOCK: tl.constexpr, EMU: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
     g = tl.load(gu_ptr + t * sgt + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * sgt + I + cols, mask=mask, other=0.0).to(tl.float32)
-    out = g / (1.0 + tl.exp(-g)) * u
-    tl.store(out_ptr + t * I + cols, _round(out, out_ptr.dtype.element_ty, EMU), mask=mask)
+    tl.store(out_ptr + t * I + cols, _round(_silu_times(g, u), out_ptr.dtype.element_ty, EMU), mask=mask)
 
 
 @triton.jit
@@ -110,7 +115,7 @@ def _silu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, I, sgt, BLOCK: tl.constexpr, EM
     mask = cols < I
     g = tl.load(gu_ptr + t * sgt + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * sgt + I + cols, mask=mask, other=0.0).to(tl.float32)
-    out = _round(g / (1.0 + tl.exp(-g)) * u, gu_ptr.dtype.element_ty, EMU).to(tl.float32)
+    out = _round(_silu_times(g, u), gu_ptr.dtype.element_ty, EMU).to(tl.float32)
     q, scale = quantize_tile(out)
     tl.store(q_ptr + t * I + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + t + tl.arange(0, 1), scale)
