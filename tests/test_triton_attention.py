@@ -175,23 +175,26 @@ def test_split_launches_on_long_rows(mode: str, seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_fresh_rows_through_dense_attention(seed: int) -> None:
-    # Fresh prompt rows (all own keys, causal from 0, no deltas) go to torch's attention on K/V
-    # gathered from the cache; the other rows of the step (cached prefixes, deltas, plus rows,
-    # decodes) stay in the Triton launches. Scattered slots: the gather must follow key_slots.
+    # Fresh prompt rows (all own keys, causal from 0, no deltas) and later chunks of them (their
+    # queries the last of such keys) go to torch's attention on K/V gathered from the cache; the
+    # other rows of the step (deltas, plus rows, decodes) stay in the Triton launches. Scattered
+    # slots: the gather must follow key_slots.
     rng = random.Random(500 + seed)
     case = _case(rng, n_rows=4, plus=seed == 1, max_keys=80)
     free = sorted({s // BS for s in range(case.num_blocks * BS)} - {s // BS for s in case.used} - {0})
     rng.shuffle(free)
     rows, positions, writes = list(case.plan.rows), case.plan.positions.tolist(), case.plan.write_slots.tolist()
-    for n in (rng.randint(9, 40), rng.randint(9, 40)):
+    chunk = rng.randint(9, 30)  # the third row: its last `chunk` keys are its queries
+    for n in (rng.randint(9, 40), rng.randint(9, 40), chunk + rng.randint(1, 30)):
         slots = [b * BS + i for b in free[:-(-n // BS)] for i in range(BS)][:n]
         free = free[-(-n // BS):]
         case.used.update(slots)
         at = rng.randint(0, len(rows))
-        rows.insert(at, Row(0, 0, torch.arange(n), torch.tensor(slots)))
+        m = chunk if len(rows) == len(case.plan.rows) + 2 else n
+        rows.insert(at, Row(0, m, torch.arange(n - m, n), torch.tensor(slots)))
     start, positions, writes = 0, [], []
     for r in rows:  # renumber the rows' query ranges in their new order
-        nq = r.num_queries if r.q_end > r.q_start else r.num_keys
+        nq = r.num_queries
         r.q_start, r.q_end = start, start + nq
         start += nq
         positions += r.q_pos.tolist()
@@ -201,7 +204,7 @@ def test_fresh_rows_through_dense_attention(seed: int) -> None:
     backend = TritonBackend(SMALL, SMALL, dense_prefill=9)
     lay = backend.prepare(plan, Rotary(D, 10000.0, None, torch.device("cpu")), BS)
     dense = lay.dense_rows(9)
-    assert len(dense) >= 2
+    assert len(dense) >= 3 and any(r.n_keys > r.q_end - r.q_start for r in dense)
     _, big = backend.launches(lay, 2, 2)
     starts = set(big.desc[:, 0].tolist())
     assert not any(r.q_start in starts for r in dense), "a dense row is also in the Triton launch"

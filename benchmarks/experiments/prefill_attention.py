@@ -1,5 +1,6 @@
 """Causal self-attention of one fresh prefill row (Llama-3-8B heads: 32 query, 8 KV, dim 128, bf16):
-spanserve's Triton kernel over the paged cache versus torch SDPA's backends on dense q/k/v.
+spanserve's Triton kernel over the paged cache versus torch SDPA's backends on dense q/k/v; and the
+row's second half over all its keys (a later chunk of the prompt), paged kernel against the dense path.
 
     python3 benchmarks/experiments/prefill_attention.py [--tokens 16384]   # on a CUDA machine
 
@@ -64,9 +65,28 @@ def triton_paged(timer: Timer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     vc.view(-1, KVH, D)[:T] = v
     pos = torch.arange(T, device=dev)
     plan = AttentionPlan([Row(0, T, pos, pos.clone())], pos, pos.clone())
-    be = TritonBackend()
+    be = TritonBackend(dense_prefill=0)  # this row would otherwise take the dense path
     lay = be.prepare(plan, Rotary(D, 500000.0, None, dev), BS)
     return timer("triton (paged)", lambda: be.attend(lay, q, kc, vc))
+
+
+def later_chunk(timer: Timer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The row's second half over all its keys (a fresh prompt's later chunk): the paged kernel
+    against the dense path (cuDNN on its own keys causally and on the earlier ones in full, merged
+    by log-sum-exp)."""
+    T, dev = q.shape[0], q.device
+    kc, vc = (x.view(-1, BS, KVH, D) for x in (k, v))
+    first = T // 2
+    pos = torch.arange(first, T, device=dev)
+    plan = AttentionPlan([Row(0, T - first, pos, torch.arange(T, device=dev))], pos, pos.clone())
+    flops, timer.flops = timer.flops, timer.flops * 3 / 4  # the second half sees 3/4 of the scores
+    ref = None
+    for name, be in [("second half: triton (paged)", TritonBackend(dense_prefill=0)),
+                     ("second half: dense (cuDNN x2 + merge)", TritonBackend())]:
+        lay = be.prepare(plan, Rotary(D, 500000.0, None, dev), BS)
+        o = timer(name, lambda be=be, lay=lay: be.attend(lay, q[first:], kc, vc), ref)
+        ref = o if ref is None else ref
+    timer.flops = flops
 
 
 def sdpa_variants(timer: Timer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ref: torch.Tensor) -> None:
@@ -101,6 +121,7 @@ def main() -> None:
     k = torch.randn(T, KVH, D, device=dev, dtype=torch.bfloat16)
     v = torch.randn(T, KVH, D, device=dev, dtype=torch.bfloat16)
     timer = Timer(4 * T * T / 2 * H * D)
+    later_chunk(timer, q, k, v)
     sdpa_variants(timer, q, k, v, triton_paged(timer, q, k, v))
     print(f"{'variant':40s} {'time':28s} rel err vs triton")
     for r in timer.rows:

@@ -13,8 +13,9 @@ layouts); elsewhere every step is eager.
 Inside a step each attention row (one request's queries over its keys) goes to one launch:
 - the *decode launch*: rows of at most a decode program's queries (programs of BLOCK_M / G tokens,
   16-row tiles, fused rotation of Q);
-- *dense*: a fresh prompt's row (its own keys only, causal from position 0, unrotated) of at least
-  `dense_min` queries, through torch's fused attention (`attention/triton/dense.py`); eager only;
+- *dense*: a fresh prompt's row, or a later chunk of one (its queries the last of its keys, seen
+  causally from position 0, unrotated), of at least `dense_min` queries, through torch's fused
+  attention (`attention/triton/dense.py`); eager only;
 - the *prefill launch*: every other row (wide tiles, keys prerotated into a scratch).
 """
 from __future__ import annotations
@@ -61,7 +62,7 @@ def step_path(step: StepShape, graphs: GraphLimits | None) -> StepPath:
 
 
 def row_path(n_queries: int, fresh: bool, decode_queries: int, dense_min: int) -> RowPath:
-    """`fresh`: the row sees exactly its own keys, causally from position 0, unrotated;
+    """`fresh`: the row's queries are the last of its keys, seen causally from position 0, unrotated;
     `decode_queries`: the decode launch's tokens per program; `dense_min`: 0 = no dense rows."""
     if n_queries <= decode_queries:
         return RowPath.DECODE_LAUNCH

@@ -111,3 +111,48 @@ def test_reposition_of_32_layers_matches_copy_and_rotate(rot):
     reposition_blocks(k, v, jobs, rot.inv_freq)
     assert ((k.float() - want_k.float()).norm() / want_k.float().norm()).item() < 1e-2
     assert torch.equal(v, want_v)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("n_keys,n_q", [(4096, 4096), (8192, 3072), (5000, 1200)])
+def test_dense_rows_through_cudnn_match_the_reference(monkeypatch, n_keys: int, n_q: int, fp8: bool) -> None:
+    """A fresh prompt's row and later chunks of one (queries the last of their keys) at Llama-3-8B
+    heads take the dense path: cuDNN, a chunk in two calls merged by log-sum-exp (the explicit-mask
+    fallback is made to fail, so the test sees the cuDNN route), over scattered slots of a bf16 or
+    8-bit cache; against the float32 reference and against the paged Triton kernel."""
+    from spanserve.attention.kv_cache import Fp8Cache, dequantize, quantize
+    from spanserve.attention.triton import dense
+    DEV = torch.device("cuda")
+
+    def refuse(*a, **k):
+        raise AssertionError("the explicit-mask fallback ran")
+    monkeypatch.setattr(dense, "_masked", refuse)
+    gen = torch.Generator(device=DEV).manual_seed(n_keys + fp8)
+    rot = Rotary(D, 500000.0, LLAMA3, DEV)
+    blocks = n_keys // BS + 8
+    shape = (blocks, BS, KVH, D)
+    if fp8:
+        kc, vc = (Fp8Cache(*quantize(torch.randn(shape, generator=gen, device=DEV))) for _ in range(2))
+        dk, dv = dequantize(kc.data, kc.scale), dequantize(vc.data, vc.scale)
+    else:
+        kc, vc = (torch.randn(shape, generator=gen, device=DEV).to(torch.bfloat16) for _ in range(2))
+        dk, dv = kc.float(), vc.float()
+    slots = torch.randperm(blocks * BS, generator=gen, device=DEV)[:n_keys]
+    q = torch.randn(n_q, H, D, generator=gen, device=DEV).to(torch.bfloat16)
+    pos = torch.arange(n_keys - n_q, n_keys, device=DEV)
+    plan = AttentionPlan([Row(0, n_q, pos, slots)], pos, slots[n_keys - n_q:].clone())
+    be = TritonBackend()
+    be = be.for_kv_cache(kc.dtype) if fp8 else be
+    lay = be.prepare(plan, rot, BS)
+    assert len(lay.dense_rows(1024)) == 1
+    got = be.attend(lay, q, kc, vc).float()
+    paged = TritonBackend(dense_prefill=0)
+    paged = paged.for_kv_cache(kc.dtype) if fp8 else paged
+    triton_out = paged.attend(paged.prepare(plan, rot, BS), q, kc, vc).float()
+    ref = ReferenceBackend()
+    want = ref.attend(ref.prepare(plan, rot, BS), q.float(), dk, dv)
+    err = ((got - want).norm() / want.norm()).item()
+    err_triton = ((triton_out - want).norm() / want.norm()).item()
+    print(f"{n_q} queries over {n_keys} keys, fp8 {fp8}: dense {err:.2e}, paged Triton {err_triton:.2e}")
+    assert torch.isfinite(got).all()
+    assert err < 1e-2 and err < 2 * err_triton + 1e-3

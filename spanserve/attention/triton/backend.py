@@ -176,7 +176,7 @@ class TritonBackend(AttentionBackend):
                                   v_cache if v_scratch is None else v_scratch, out, G, v_scratch is not None)
                 del scratch, v_scratch
         for r in prepared.dense_rows(self._dense_min(q.device)):
-            attend_dense(q, k_cache, v_cache, prepared.key_slots, r.q_start, r.q_end, r.key_base, out)
+            attend_dense(q, k_cache, v_cache, prepared.key_slots, r.q_start, r.q_end, r.key_base, r.n_keys, out)
         return out
 
 

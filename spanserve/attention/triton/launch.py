@@ -125,9 +125,10 @@ class StepLayout:
         return self._launches[key]
 
     def dense_rows(self, min_q: int) -> list[_RowHost]:
-        """Rows of at least `min_q` queries that see exactly their own keys, causally from position
-        0, unrotated: a fresh prompt's prefill, which a dense attention kernel can take as is
-        (`paths.row_path`). Asked once per layer: kept with the launches."""
+        """Rows of at least `min_q` queries that are the last of their keys, seen causally from
+        position 0, unrotated: a fresh prompt's prefill or a later chunk of it, which a dense
+        attention kernel can take as is (`paths.row_path`). Asked once per layer: kept with the
+        launches."""
         if not min_q or self.fixed is not None:
             return []
         if min_q not in self._dense:
@@ -148,10 +149,13 @@ def _row_path(r: _RowHost, small_q: int, dense_min: int) -> RowPath:
 
 
 def _fresh(r: _RowHost) -> bool:
-    """The row sees exactly its own keys, causally from position 0, unrotated."""
+    """The row's queries are the last of its keys, which it sees causally from position 0,
+    unrotated: a fresh prompt, or a later chunk of one (or of a prompt whose cached prefix sits
+    where it was computed)."""
     nq = r.q_end - r.q_start
-    return (r.n_keys == nq and len(r.span_delta) == 1 and r.span_delta[0] == 0 and r.repair is None
-            and bool((r.q_pos == np.arange(nq)).all()) and not r.anchor.any() and not r.seg.any())
+    return (r.n_keys >= nq and len(r.span_delta) == 1 and r.span_delta[0] == 0 and r.repair is None
+            and bool((r.q_pos == np.arange(r.n_keys - nq, r.n_keys)).all()) and not r.anchor.any()
+            and not r.seg.any())
 
 
 def _cat_host(parts: list[torch.Tensor]) -> np.ndarray:
