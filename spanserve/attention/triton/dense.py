@@ -3,7 +3,7 @@
 A row whose queries are the last of its keys, seen causally from position 0 and unrotated (the
 prefill of a prompt with nothing cached, or a later chunk of one), is plain causal attention:
 nothing about it needs the paged, span-aware kernel. On Hopper, cuDNN's attention runs that shape
-~1.5x faster than our Triton kernel (16k tokens, Llama-3-8B heads: 3.64 vs 5.43 ms,
+~1.5x faster than our Triton kernel (16k tokens, Llama-3-8B heads: 3.71 vs 5.41 ms,
 `benchmarks/experiments/prefill_attention.py`), which costs one gather of the row's K/V out of the
 paged cache, a few per cent of it.
 
