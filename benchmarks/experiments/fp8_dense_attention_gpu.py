@@ -93,7 +93,7 @@ def fp8_dense_kernel(
     QK8: tl.constexpr, PV8: tl.constexpr,
 ):
     """Program (m, h): BLOCK_M queries of head h, the last n_q of the row's n_keys positions.
-    k [KVH, n, D] and vt [KVH, D, n] e4m3 codes, their scales [KVH, n]; out [n_q, H * D]."""
+    k, v and their scales [KVH, n] as `dense_operands` lays them out for QK8 / PV8; out [n_q, H * D]."""
     # Longest programs (latest queries, most keys) first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)

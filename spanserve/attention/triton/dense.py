@@ -28,6 +28,9 @@ except ImportError:  # torch without the backend selector: its default choice
 _ORDER = None if sdpa_kernel is None else [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                                           SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _CUDNN_LSE = getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)
+# What this torch's cuDNN op takes, learnt from the first chunk that tries: grouped heads in the
+# call, and the call at all. Without it every layer of every chunk would raise again.
+_cudnn_takes = {"call": _CUDNN_LSE is not None, "grouped": True}
 
 
 def _gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,9 +67,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def _with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """cuDNN attention of q over k/v (causal from the first key or full) and each query's natural
     log-sum-exp of scores, [1, H, n, D] and float32 [1, H, n]."""
-    try:
-        out = _CUDNN_LSE(q, k, v, None, True, 0.0, causal, False)
-    except RuntimeError:  # without grouped heads in the call: expand them
+    out = None
+    if _cudnn_takes["grouped"]:
+        try:
+            out = _CUDNN_LSE(q, k, v, None, True, 0.0, causal, False)
+        except RuntimeError:  # not with grouped heads in the call: expand them, here and from now on
+            _cudnn_takes["grouped"] = False
+    if out is None:
         out = _CUDNN_LSE(q, *_gqa(q, k, v), None, True, 0.0, causal, False)
     return out[0], out[1].reshape(q.shape[:3]).float()
 
@@ -84,18 +91,19 @@ def _tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """As `_masked`: on CUDA its own keys causally and the earlier ones in full through cuDNN,
     merged by their log-sum-exps."""
     first = k.shape[2] - q.shape[2]
-    if q.device.type == "cuda" and _CUDNN_LSE is not None:
-        try:
-            o_own, lse_own = _with_lse(q, k[:, :, first:], v[:, :, first:], True)
-            o_pre, lse_pre = _with_lse(q, k[:, :, :first], v[:, :, :first], False)
-        except RuntimeError:  # this torch's cuDNN op takes other arguments, or not these inputs
-            return _masked(q, k, v)
-        top = torch.maximum(lse_own, lse_pre)
-        w_own, w_pre = (lse_own - top).exp_(), (lse_pre - top).exp_()
-        total = w_own + w_pre
-        w_own, w_pre = (w_own / total).unsqueeze(-1), (w_pre / total).unsqueeze(-1)
-        return torch.addcmul(o_own.float() * w_own, o_pre.float(), w_pre).to(q.dtype)
-    return _masked(q, k, v)
+    if q.device.type != "cuda" or not _cudnn_takes["call"]:
+        return _masked(q, k, v)
+    try:
+        o_own, lse_own = _with_lse(q, k[:, :, first:], v[:, :, first:], True)
+        o_pre, lse_pre = _with_lse(q, k[:, :, :first], v[:, :, :first], False)
+    except RuntimeError:  # this torch's cuDNN op takes other arguments: the mask from now on
+        _cudnn_takes["call"] = False
+        return _masked(q, k, v)
+    top = torch.maximum(lse_own, lse_pre)
+    w_own, w_pre = (lse_own - top).exp_(), (lse_pre - top).exp_()
+    total = w_own + w_pre
+    w_own, w_pre = (w_own / total).unsqueeze(-1), (w_pre / total).unsqueeze(-1)
+    return torch.addcmul(o_own.float() * w_own, o_pre.float(), w_pre).to(q.dtype)
 
 
 def attend_dense(q: torch.Tensor, k_cache: "torch.Tensor | Fp8Cache", v_cache: "torch.Tensor | Fp8Cache",
