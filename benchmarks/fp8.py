@@ -4,7 +4,9 @@ cold, 32 documents of 2857 tokens), for three modes of the same random Llama-3-8
 
   bf16       the model and its KV cache in bfloat16 (the default)
   fp8-kv     kv_cache_dtype="fp8": K and V in float8 e4m3, a power-of-two scale per token and KV head
-  fp8        that and quantization="fp8": linear weights in e4m3, scaled per output channel
+  fp8        that and quantization="fp8": linear weights in e4m3, scaled per output channel, and
+             fresh prompts' attention in e4m3 (cuDNN's FP8 attention, where it is installed)
+  fp8-exact-attention   fp8 with fp8_attention="off": attention reads the 8-bit cache exactly
 
     python benchmarks/fp8.py              # CUDA (an H100 for the published figures)
     python benchmarks/fp8.py --quick      # a short smoke run of the same steps
@@ -35,14 +37,16 @@ MODES: dict[str, dict[str, Any]] = {
     "bf16": {},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
     "fp8": {"kv_cache_dtype": "fp8", "quantization": "fp8"},
+    "fp8-exact-attention": {"kv_cache_dtype": "fp8", "quantization": "fp8", "fp8_attention": "off"},
 }
+DEFAULT_MODES = ["bf16", "fp8-kv", "fp8"]
 BS = 16
 PARTS = ("itl", "prefill", "rag")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS), help="what to measure")
     ap.add_argument("--kv-gib", type=float, default=24.0, help="KV pool memory, the same in every mode")
     ap.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per ITL measurement")
@@ -50,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--docs", type=int, default=32)
     ap.add_argument("--doc-len", type=int, default=2857)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens per step, so the longest chunk of a prompt (default: the engine's, 8192 on a GPU)")
     ap.add_argument("--quick", action="store_true", help="short smoke run: small sizes, one run")
     ap.add_argument("--cpu", action="store_true", help="the script end to end on a CPU: a tiny random model")
     ap.add_argument("--out", default="fp8_gpu.json")
@@ -104,7 +110,8 @@ def run_mode(name: str, weights: Any, args: argparse.Namespace) -> dict[str, Any
     vocab = weights.config.vocab_size
     longest = max(args.prefill, args.docs * args.doc_len + 64) + 64
     llm = LLM(weights, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32", block_size=BS, kv_cache_memory=int(args.kv_gib * 2**30),
-              max_num_seqs=64, pin_fraction=0.6, max_model_len=longest, **MODES[name])
+              max_num_seqs=64, pin_fraction=0.6, max_model_len=longest,
+              max_num_batched_tokens=args.max_num_batched_tokens, **MODES[name])
     try:
         e = llm.engine
         out: dict[str, Any] = {"pool_tokens": e.pool.num_blocks * BS, "kv_dtype": str(e.storage.k.dtype)}
