@@ -4,9 +4,7 @@ cold, 32 documents of 2857 tokens), for three modes of the same random Llama-3-8
 
   bf16       the model and its KV cache in bfloat16 (the default)
   fp8-kv     kv_cache_dtype="fp8": K and V in float8 e4m3, a power-of-two scale per token and KV head
-  fp8        that and quantization="fp8": linear weights in e4m3, scaled per output channel, and
-             fresh prompts' attention in e4m3 (cuDNN's FP8 attention, where it is installed)
-  fp8-exact-attention   fp8 with fp8_attention="off": attention reads the 8-bit cache exactly
+  fp8        that and quantization="fp8": linear weights in e4m3, scaled per output channel
 
     python benchmarks/fp8.py              # CUDA (an H100 for the published figures)
     python benchmarks/fp8.py --quick      # a short smoke run of the same steps
@@ -37,16 +35,14 @@ MODES: dict[str, dict[str, Any]] = {
     "bf16": {},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
     "fp8": {"kv_cache_dtype": "fp8", "quantization": "fp8"},
-    "fp8-exact-attention": {"kv_cache_dtype": "fp8", "quantization": "fp8", "fp8_attention": "off"},
 }
-DEFAULT_MODES = ["bf16", "fp8-kv", "fp8"]
 BS = 16
 PARTS = ("itl", "prefill", "rag")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS), help="what to measure")
     ap.add_argument("--kv-gib", type=float, default=24.0, help="KV pool memory, the same in every mode")
     ap.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per ITL measurement")

@@ -24,9 +24,6 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="auto: the model's dtype; fp8: float8 e4m3 with a scale per token and KV head "
                         "(twice the tokens in the same memory)")
-    p.add_argument("--fp8-attention", default="auto", choices=["auto", "off"],
-                   help="auto: with --quantization fp8 and --kv-cache-dtype fp8, fresh prompts' attention "
-                        "runs in e4m3 on Hopper (needs nvidia-cudnn-frontend); off: exact reads of the 8-bit cache")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "reference"],
                    help="auto: triton on CUDA, reference on CPU")
     p.add_argument("--enforce-eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
@@ -95,8 +92,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig.from_kwargs(
         model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, backend=args.attention_backend,
-        enforce_eager=args.enforce_eager, fused_ops=args.fused_ops, fp8_attention=args.fp8_attention,
-        overlap=False if args.no_overlap else None,
+        enforce_eager=args.enforce_eager, fused_ops=args.fused_ops, overlap=False if args.no_overlap else None,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, default_policy=args.default_policy, pin_quota=args.pin_quota,
         tensor_parallel_size=args.tensor_parallel_size, kv_offload=_offload(args))

@@ -16,10 +16,9 @@ class AttentionBackend(ABC):
         with tiles in on-chip memory picks their sizes here); by default itself."""
         return self
 
-    def for_kv_cache(self, dtype: torch.dtype, fp8_attention: bool = False) -> "AttentionBackend":
+    def for_kv_cache(self, dtype: torch.dtype) -> "AttentionBackend":
         """This backend as the engine runs it over a KV cache of `dtype` (an 8-bit cache may take
-        other paths; `fp8_attention`: products in e4m3 where the backend has such a path); by
-        default itself."""
+        other paths); by default itself."""
         return self
 
     def for_shards(self, n: int) -> "AttentionBackend":

@@ -75,8 +75,7 @@ def build(config: EngineConfig) -> EngineParts:
     num_blocks = _num_blocks(config, side, device, kv_dtype)
     backend = config.runtime.backend
     backend = make_backend(backend) if isinstance(backend, str) else backend
-    backend = backend.sized_for(dtype, side.config.head_dim).for_shards(cuts).for_kv_cache(
-        kv_dtype, fp8_attention(config))
+    backend = backend.sized_for(dtype, side.config.head_dim).for_shards(cuts).for_kv_cache(kv_dtype)
     storage, executor = _executor(config, side, num_blocks, backend, (device, kv_dtype))
     tiers = None
     if side.fingerprint is not None:
@@ -92,15 +91,6 @@ def build(config: EngineConfig) -> EngineParts:
     max_model_len = min(config.scheduler.max_model_len or limit, limit)
     return EngineParts(device, dtype, side, storage, tiers, pool, manager, scheduler, executor, Sampler(), grammars,
                        sink, max_model_len)
-
-
-def fp8_attention(config: EngineConfig) -> bool:
-    """Whether fresh prompts' attention runs in e4m3: asked for (auto) with FP8 weights and an
-    8-bit cache, on one device. Those products scale each call's Q, K and V as a whole, which a
-    rank's share of the heads would scale otherwise: TP=N and emulate_tp=N keep equal numbers."""
-    p = config.parallel
-    return (config.runtime.fp8_attention == "auto" and config.model.quantization == "fp8"
-            and config.cache.kv_cache_dtype == "fp8" and p.tensor_parallel_size == 1 and p.emulate_tp == 1)
 
 
 def max_num_seqs(config: EngineConfig, num_blocks: int) -> int:

@@ -82,10 +82,6 @@ class RuntimeOptions:
     fused_ops: str = "auto"  # auto | on | off: Triton kernels for norms, rotary and SiLU
     overlap: bool | None = None  # decode steps chained on the device; None: where CUDA graphs run
     enforce_eager: bool = False  # no CUDA graphs (vLLM's name)
-    # auto: with quantization=fp8 and kv_cache_dtype=fp8 on one device, a fresh prompt's attention
-    # runs its products in e4m3 (cuDNN's FP8 attention, on Hopper with nvidia-cudnn-frontend
-    # installed; docs/fp8.md); off: it reads the 8-bit cache exactly, in bfloat16
-    fp8_attention: str = "auto"
 
 
 _PARTS: dict[str, type] = {"model": ModelOptions, "cache": CacheOptions, "scheduler": SchedulerOptions,

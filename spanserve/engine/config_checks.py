@@ -99,7 +99,6 @@ def _runtime(r: "RuntimeOptions") -> None:
     if not any(r.cuda_graphs is g or (isinstance(g, str) and r.cuda_graphs == g) for g in GRAPH_CHOICES):
         raise ValueError(f"cuda_graphs must be auto, True, False or 'eager', got {r.cuda_graphs!r}")
     _choice("fused_ops", r.fused_ops, FUSED_CHOICES)
-    _choice("fp8_attention", r.fp8_attention, ("auto", "off"))
     if r.overlap is not None:
         _flag("overlap", r.overlap, " or None (on where CUDA graphs run)")
     _flag("enforce_eager", r.enforce_eager)

@@ -12,7 +12,6 @@ import test_gpu_attention_kernels as gk
 from gpu_helpers import cold_then_warm, span_layouts
 from spanserve import LLM, SamplingParams
 from spanserve.attention.kv_cache import FP8, Fp8Cache, dequantize, quantize
-from spanserve.attention.plan import AttentionPlan, Row
 from spanserve.attention.reference import ReferenceBackend
 from spanserve.attention.triton import TritonBackend
 from spanserve.attention.triton.backend import write_kv
@@ -90,58 +89,3 @@ def test_span_layouts_cold_and_warm_under_fp8_kv(tmp_path) -> None:
                                             backend=backend, kv_cache_dtype="fp8"), lays, params, check=eight_bit)
     assert outs["triton"][0] == outs["triton"][1]
     assert outs["triton"] == outs["reference"]
-
-
-# e4m3 products (Q, K, V and the probabilities rounded) against float32 over the dequantized cache,
-# on keys of magnitudes 1/4-2x and unit queries; bfloat16 over the same cache is ~3e-3 off.
-FP8_ATTENTION_TOL = 0.1
-
-
-@pytest.mark.parametrize("n_keys,n_q", [(3000, 3000), (5000, 2048)])
-def test_dense_rows_in_e4m3_through_cudnn_against_the_reference(n_keys: int, n_q: int) -> None:
-    """A fresh prompt's row (off the graphs' 256-row buckets) and a later chunk of one over
-    scattered slots of an 8-bit cache, at Llama-3-8B heads, through cuDNN's FP8 attention: within
-    FP8_ATTENTION_TOL of the float32 reference, and the same bits on a rerun."""
-    H, KVH, D, BS = gk.H, gk.KVH, gk.D, gk.BS
-    gen = torch.Generator(device=DEV).manual_seed(n_keys)
-    rot = Rotary(D, 500000.0, gk.LLAMA3, DEV)
-    blocks = n_keys // BS + 8
-    shape = (blocks, BS, KVH, D)
-    kc, vc = (Fp8Cache(*quantize(torch.randn(shape, generator=gen, device=DEV) * torch.exp2(
-        torch.randint(-2, 2, (*shape[:3], 1), generator=gen, device=DEV).float()))) for _ in range(2))
-    slots = torch.randperm(blocks * BS, generator=gen, device=DEV)[:n_keys]
-    q = torch.randn(n_q, H, D, generator=gen, device=DEV).to(torch.bfloat16)
-    pos = torch.arange(n_keys - n_q, n_keys, device=DEV)
-    plan = AttentionPlan([Row(0, n_q, pos, slots)], pos, slots[n_keys - n_q:].clone())
-    be = TritonBackend().for_kv_cache(FP8, fp8_attention=True)
-    got = be.attend(be.prepare(plan, rot, BS), q, kc, vc)
-    assert be.fp8_attention.usable and be.fp8_attention._graphs, "the row did not go through cuDNN's FP8 attention"
-    exact = TritonBackend().for_kv_cache(FP8)
-    bf16 = exact.attend(exact.prepare(plan, rot, BS), q, kc, vc).float()
-    ref = ReferenceBackend()
-    dk, dv = dequantize(kc.data, kc.scale), dequantize(vc.data, vc.scale)
-    want = ref.attend(ref.prepare(plan, rot, BS), q.float(), dk, dv)
-    err = ((got.float() - want).norm() / want.norm()).item()
-    err_bf16 = ((bf16 - want).norm() / want.norm()).item()
-    print(f"{n_q} queries over {n_keys} keys: e4m3 {err:.2e}, bf16 over the same cache {err_bf16:.2e}, "
-          f"graphs {sorted(be.fp8_attention._graphs)}")
-    assert torch.isfinite(got).all() and err < FP8_ATTENTION_TOL
-    assert torch.equal(got, be.attend(be.prepare(plan, rot, BS), q, kc, vc))
-
-
-def test_span_layouts_cold_and_warm_with_fp8_attention(tmp_path) -> None:
-    """FP8 weights and cache with fresh rows of 64 queries or more in e4m3 (segments encoded, a
-    long plain prompt in 128-token chunks): warm equals cold."""
-    path, _ = make_tiny_model("llama", tmp_path, layers=4)
-    gen = torch.Generator().manual_seed(6)
-    lays = span_layouts(gen, 384, torch.randint(3, 384, (300,), generator=gen).tolist())
-    lays.append(torch.randint(3, 384, (400,), generator=gen).tolist())
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    seen = []
-    make = partial(LLM, str(path), device="cuda", dtype="bfloat16", block_size=16, num_blocks=512,
-                   backend=TritonBackend(dense_prefill=64), kv_cache_dtype="fp8", quantization="fp8",
-                   max_num_batched_tokens=128, enforce_eager=True)  # graph-captured steps take no dense rows
-    cold, warm = cold_then_warm(make, lays, params, check=lambda llm: seen.append(llm.engine.executor.backend.fp8_attention))
-    assert seen[0] is not None and seen[0].usable and seen[0]._graphs, "no row went through cuDNN's FP8 attention"
-    print(f"graphs: {sorted(seen[0]._graphs)}")
-    assert cold == warm

@@ -13,7 +13,6 @@ import torch
 import triton
 
 from spanserve.attention.backend import AttentionBackend
-from spanserve.attention.cudnn_fp8 import Fp8Attention
 from spanserve.attention.kv_cache import Fp8Cache
 from spanserve.attention.plan import AttentionPlan
 from spanserve.attention.triton.dense import attend_dense
@@ -80,19 +79,15 @@ class TritonBackend(AttentionBackend):
         # bfloat16 scratch (an 8-bit cache). Read in the kernel, the converted tiles cost a prefill
         # 1.5x (H100, random Llama-3-8B, benchmarks/fp8.py); decode launches still read 8 bits.
         self.stage_prefill = False
-        # `for_kv_cache(fp8_attention=True)`: dense rows over an 8-bit cache run their products in
-        # e4m3 (cuDNN, where it is installed on a Hopper GPU; `dense.py`)
-        self.fp8_attention: Fp8Attention | None = None
 
     def for_shards(self, n: int) -> "TritonBackend":
         out = copy.copy(self)
         out.kv_shards = n
         return out
 
-    def for_kv_cache(self, dtype: torch.dtype, fp8_attention: bool = False) -> "TritonBackend":
+    def for_kv_cache(self, dtype: torch.dtype) -> "TritonBackend":
         out = copy.copy(self)
         out.stage_prefill = dtype.itemsize == 1
-        out.fp8_attention = Fp8Attention() if fp8_attention and dtype.itemsize == 1 else None
         return out
 
     def sized_for(self, dtype: torch.dtype, head_dim: int) -> "TritonBackend":
@@ -181,8 +176,7 @@ class TritonBackend(AttentionBackend):
                                   v_cache if v_scratch is None else v_scratch, out, G, v_scratch is not None)
                 del scratch, v_scratch
         for r in prepared.dense_rows(self._dense_min(q.device)):
-            attend_dense(q, k_cache, v_cache, prepared.key_slots, r.q_start, r.q_end, r.key_base, r.n_keys, out,
-                         self.fp8_attention)
+            attend_dense(q, k_cache, v_cache, prepared.key_slots, r.q_start, r.q_end, r.key_base, r.n_keys, out)
         return out
 
 

@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from spanserve.attention import cudnn_fp8
-from spanserve.attention.kv_cache import FP8, Fp8Cache, read_rows
+from spanserve.attention.kv_cache import Fp8Cache, read_rows
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -100,68 +99,22 @@ def _tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     except RuntimeError:  # this torch's cuDNN op takes other arguments: the mask from now on
         _cudnn_takes["call"] = False
         return _masked(q, k, v)
-    return _merge(o_own, lse_own.unsqueeze(-1), o_pre, lse_pre.unsqueeze(-1)).to(q.dtype)
-
-
-def _merge(o_own: torch.Tensor, lse_own: torch.Tensor, o_pre: torch.Tensor, lse_pre: torch.Tensor) -> torch.Tensor:
-    """Attention over two disjoint key sets, from each one's output and log-sum-exps (shaped to
-    broadcast against it): float32."""
     top = torch.maximum(lse_own, lse_pre)
     w_own, w_pre = (lse_own - top).exp_(), (lse_pre - top).exp_()
     total = w_own + w_pre
-    return torch.addcmul(o_own.float() * (w_own / total), o_pre.float(), w_pre / total)
-
-
-def _e4m3_rows(cache: Fp8Cache, slots: torch.Tensor, exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows at `slots` in e4m3 under one scale, the largest of their row scales (powers of
-    two): a row of a smaller scale has its codes shifted down, exact unless they go subnormal.
-    (`cudnn_fp8.padded` rows, the scale as float32 [1, 1, 1, 1].)"""
-    KVH, D = cache.shape[2], cache.shape[3]
-    scales = cache.scale.view(-1, KVH)[slots]
-    top = scales.amax()
-    x8 = cudnn_fp8.padded(slots.shape[0], KVH, D, slots.device, exact)
-    # e4m3 codes and ratios of powers of two are exact in bfloat16, and so is their product
-    codes = cache.data.view(-1, KVH, D)[slots].to(torch.bfloat16)
-    x8[:slots.shape[0]] = (codes * (scales / top)[..., None]).to(FP8)
-    return x8, top.float().reshape(1, 1, 1, 1)
-
-
-def _fp8_row(att: cudnn_fp8.Fp8Attention, q: torch.Tensor, k_cache: Fp8Cache, v_cache: Fp8Cache,
-             slots: torch.Tensor) -> torch.Tensor:
-    """q [n, H, D], the last n of the keys at `slots`: causal attention on the FP8 tensor cores
-    (`cudnn_fp8`), [n, H, D] bfloat16; a later chunk merges its own keys' call (causal, padded
-    like its queries) with the earlier keys' (in full, exactly those keys) as `_tail` does."""
-    n, first = q.shape[0], slots.shape[0] - q.shape[0]
-    sq = cudnn_fp8.tensor_scale(q)
-    q8 = cudnn_fp8.padded(n, q.shape[1], q.shape[2], q.device)
-    q8[:n] = cudnn_fp8.to_e4m3(q, sq)
-
-    def part(keys: torch.Tensor, exact: bool) -> list[torch.Tensor]:
-        return [*_e4m3_rows(k_cache, keys, exact), *_e4m3_rows(v_cache, keys, exact)]
-
-    if first == 0:
-        return att.attend_e4m3(q8, sq, *part(slots, False), n, True)[0]
-    o_own, lse_own = att.attend_e4m3(q8, sq, *part(slots[first:], False), n, True, True)
-    o_pre, lse_pre = att.attend_e4m3(q8, sq, *part(slots[:first], True), n, False, True)
-    return _merge(o_own, lse_own.T.unsqueeze(-1), o_pre, lse_pre.T.unsqueeze(-1)).to(q.dtype)
+    w_own, w_pre = (w_own / total).unsqueeze(-1), (w_pre / total).unsqueeze(-1)
+    return torch.addcmul(o_own.float() * w_own, o_pre.float(), w_pre).to(q.dtype)
 
 
 def attend_dense(q: torch.Tensor, k_cache: "torch.Tensor | Fp8Cache", v_cache: "torch.Tensor | Fp8Cache",
                  key_slots: torch.Tensor, q_start: int, q_end: int, key_base: int, n_keys: int,
-                 out: torch.Tensor, fp8: cudnn_fp8.Fp8Attention | None = None) -> None:
+                 out: torch.Tensor) -> None:
     """out[q_start:q_end] = causal attention of the row's queries, the last of its n_keys
     positions, over its keys read from the cache (already written this step; an 8-bit one
-    dequantized) through key_slots[key_base:key_base + n_keys]. With `fp8` (an 8-bit cache on a
-    GPU cuDNN's FP8 attention runs on), the products run in e4m3 instead (`_fp8_row`)."""
+    dequantized) through key_slots[key_base:key_base + n_keys]."""
     n = q_end - q_start
     D = k_cache.shape[3]
     slots = key_slots[key_base:key_base + n_keys].long()
-    if fp8 is not None and fp8.usable and isinstance(k_cache, Fp8Cache) and cudnn_fp8.available(q.device):
-        try:
-            out[q_start:q_end].view(n, -1, D).copy_(_fp8_row(fp8, q[q_start:q_end], k_cache, v_cache, slots))
-            return
-        except cudnn_fp8.Unsupported:  # these shapes stay in bfloat16 from now on
-            pass
     k, v = read_rows(k_cache, slots, q.dtype), read_rows(v_cache, slots, q.dtype)
     qh, kh, vh = q[q_start:q_end].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     o = _sdpa(qh, kh, vh) if n == n_keys else _tail(qh, kh, vh)
