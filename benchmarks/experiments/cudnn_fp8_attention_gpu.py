@@ -13,8 +13,8 @@ package's graphs do. On Hopper that attention takes Q, K and V in e4m3 with one 
 Measured on a fresh prompt's causal attention, the shape the engine's dense rows take, at
 Llama-3-8B heads (32 query heads over 8 KV heads, dim 128): a whole `--tokens` row, and its
 second half over all its keys (a later chunk: its own keys causally and the earlier ones in full,
-merged by their log-sum-exps); bfloat16 through torch's cuDNN op. Errors against float32
-attention on a `--check-tokens` row. Findings: docs/fp8.md.
+merged by their log-sum-exps); bfloat16 through the engine's dense path (torch's cuDNN op).
+Errors against float32 attention on a `--check-tokens` row. Findings: docs/fp8.md.
 
     pip install nvidia-cudnn-frontend   # on the GPU machine, beside torch
     python benchmarks/experiments/cudnn_fp8_attention_gpu.py    # results/cudnn_fp8_attention_gpu.json
@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import format_table, write_json  # noqa: E402
+from fp8_dense_attention_gpu import _rel, reference  # noqa: E402  (the float32 reference, the error)
+from spanserve.attention.triton import dense  # noqa: E402
 
 try:
     import cudnn  # the nvidia-cudnn-frontend package
@@ -42,10 +44,6 @@ except ImportError:
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-
-
-class Unsupported(RuntimeError):
-    """cuDNN builds no FP8 attention for these shapes on this GPU."""
 
 
 def available(device: torch.device) -> bool:
@@ -100,7 +98,6 @@ class Fp8Attention:
         self._handle = None
         self._graphs: dict[tuple, _Graph] = {}
         self.grouped = True  # K and V with fewer heads than Q in the call; False once cuDNN refuses them
-        self.usable = True  # False once cuDNN refuses even expanded heads: callers go back to bfloat16
 
     def _build(self, key: tuple) -> _Graph:
         n_q, n_k, H, KVH, D, causal, stats = key
@@ -155,10 +152,9 @@ class Fp8Attention:
         key = (rows, k8.shape[0], H, k8.shape[1], D, causal, stats)
         try:
             gr = self._graph(key)
-        except Exception as e:  # the frontend raises its own error types; grouped heads are the usual refusal
+        except Exception:  # the frontend raises its own error types; grouped heads are the usual refusal
             if k8.shape[1] == H:
-                self.usable = False
-                raise Unsupported(f"cuDNN has no FP8 attention for {key}: {e}") from e
+                raise
             self.grouped = False
             return self.attend_e4m3(q8, sq, k8, sk, v8, sv, n_q, causal, stats)
         dev = q8.device
@@ -190,17 +186,6 @@ class Fp8Attention:
 H, KVH, D = 32, 8, 128
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """float32 causal attention of q [n_q, H, D], the last n_q of the keys' positions."""
-    n_q, n = q.shape[0], k.shape[0]
-    out = torch.empty(n_q, H, D, device=q.device)
-    visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - n_q, n, device=q.device)[:, None]
-    for h in range(H):
-        s = (q[:, h].float() @ k[:, h * KVH // H].float().T) / math.sqrt(D)
-        out[:, h] = s.masked_fill(~visible, float("-inf")).softmax(-1) @ v[:, h * KVH // H].float()
-    return out
-
-
 def inputs(T: int, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(T, H, D, generator=g, device="cuda") * 2
@@ -209,37 +194,20 @@ def inputs(T: int, seed: int):
     return q.bfloat16(), k.bfloat16(), v.bfloat16()
 
 
-def merge(o_own, lse_own, o_pre, lse_pre):
-    """Two partial attentions over disjoint keys, [n, H, D] and [H, n] each, into one."""
-    top = torch.maximum(lse_own, lse_pre)
-    w_own, w_pre = (lse_own - top).exp(), (lse_pre - top).exp()
-    total = w_own + w_pre
-    w_own, w_pre = (w_own / total).T.unsqueeze(-1), (w_pre / total).T.unsqueeze(-1)
-    return (o_own.float() * w_own + o_pre.float() * w_pre).bfloat16()
-
-
-def bf16_call(q, k, v, causal):
-    out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True, 0.0, causal, False)
-    return out[0][0].transpose(0, 1), out[1].reshape(H, -1).float()
-
-
 def bf16_row(q, k, v):
-    first = k.shape[0] - q.shape[0]
-    if first == 0:
-        return bf16_call(q, k, v, True)[0]
-    return merge(*bf16_call(q, k[first:], v[first:], True), *bf16_call(q, k[:first], v[:first], False))
+    """The engine's dense path (`dense._sdpa`, or `dense._tail` for a later chunk), token-major."""
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
+    o = dense._sdpa(qh, kh, vh) if q.shape[0] == k.shape[0] else dense._tail(qh, kh, vh)
+    return o[0].transpose(0, 1)
 
 
 def fp8_row(att, q, k, v):
     first = k.shape[0] - q.shape[0]
     if first == 0:
         return att.attend(q, k, v, True)[0]
-    return merge(*att.attend(q, k[first:], v[first:], True, True), *att.attend(q, k[:first], v[:first], False, True))
-
-
-def _rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    o_own, lse_own = att.attend(q, k[first:], v[first:], True, True)
+    o_pre, lse_pre = att.attend(q, k[:first], v[:first], False, True)
+    return dense.merge(o_own, lse_own.T.unsqueeze(-1), o_pre, lse_pre.T.unsqueeze(-1)).bfloat16()
 
 
 def main(argv: list[str]) -> None:
@@ -263,8 +231,8 @@ def main(argv: list[str]) -> None:
     err = []
     for first in (0, T // 2):
         ref = reference(q[first:], k, v)
-        err.append([f"{T - first} queries over {T} keys", _rel(bf16_row(q[first:], k, v), ref),
-                    _rel(fp8_row(att, q[first:], k, v), ref)])
+        err.append([f"{T - first} queries over {T} keys", _rel(bf16_row(q[first:], k, v).flatten(1), ref),
+                    _rel(fp8_row(att, q[first:], k, v).flatten(1), ref)])
     print(format_table(["row", "bf16 cuDNN err", "fp8 cuDNN err"], err))
 
     T = args.tokens

@@ -9,10 +9,10 @@ converted to fp16 and fed to the tensor cores the same weights stream at 1.6-2.6
 16 rows as at one. Neither is bound by its conversions: an FMA kernel converting with integer
 shifts alone is no faster, and on qkv, o and gate_up this kernel is within 2-9% of one that only
 reads its tiles (benchmarks/experiments/fp8_gemv_bounds_gpu.py). fp16 holds e4m3 exactly; x is
-scaled by X_SHIFT (a power of two, undone with the row scale) so that fp16's range holds it exactly (|x| from 2^-8 to 2^22; smaller values lose low bits).
-x stays unquantized: a small step's time is the weight's bytes. No split along K: one launch,
-and a weight row's result depends on K and the tile only, so a column-parallel shard's outputs
-equal the whole's."""
+scaled by X_SHIFT (a power of two, undone with the row scale) so that fp16's range holds it
+exactly (|x| from 2^-8 to 2^22; smaller values lose low bits). x stays unquantized: a small
+step's time is the weight's bytes. No split along K: one launch, and a weight row's result
+depends on K and the tile only, so a column-parallel shard's outputs equal the whole's."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -99,11 +99,16 @@ def _tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     except RuntimeError:  # this torch's cuDNN op takes other arguments: the mask from now on
         _cudnn_takes["call"] = False
         return _masked(q, k, v)
+    return merge(o_own, lse_own.unsqueeze(-1), o_pre, lse_pre.unsqueeze(-1)).to(q.dtype)
+
+
+def merge(o_own: torch.Tensor, lse_own: torch.Tensor, o_pre: torch.Tensor, lse_pre: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint key sets from each one's output and natural log-sum-exps of
+    scores (shaped to broadcast against the output): float32."""
     top = torch.maximum(lse_own, lse_pre)
     w_own, w_pre = (lse_own - top).exp_(), (lse_pre - top).exp_()
     total = w_own + w_pre
-    w_own, w_pre = (w_own / total).unsqueeze(-1), (w_pre / total).unsqueeze(-1)
-    return torch.addcmul(o_own.float() * w_own, o_pre.float(), w_pre).to(q.dtype)
+    return torch.addcmul(o_own.float() * (w_own / total), o_pre.float(), w_pre / total)
 
 
 def attend_dense(q: torch.Tensor, k_cache: "torch.Tensor | Fp8Cache", v_cache: "torch.Tensor | Fp8Cache",
