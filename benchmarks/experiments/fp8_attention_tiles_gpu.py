@@ -11,6 +11,8 @@ Each time is the median over a layer; registers and spills from the compiled ker
 DISABLE_MMA_V3=1 in the environment makes Triton use mma.sync instead of wgmma.
 
     python benchmarks/experiments/fp8_attention_tiles_gpu.py    # writes results/fp8_attention_tiles_gpu.json
+    DISABLE_MMA_V3=1 python benchmarks/experiments/fp8_attention_tiles_gpu.py --configs 64,4,3 64,4,2 32,4,3 \
+        64,8,3 128,8,3 128,4,2 --out fp8_attention_tiles_mma_v2_gpu.json
 """
 from __future__ import annotations
 
@@ -100,7 +102,12 @@ def _attn(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr, out_ptr, n_keys, tiles
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="fp8_attention_tiles_gpu.json")
+    ap.add_argument("--configs", nargs="+", default=[",".join(map(str, c)) for c in CONFIGS],
+                    help="keys a tile,warps,stages")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = ap.parse_args(argv)
+    configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
+    variants = {name: VARIANTS[name] for name in args.variants}
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     dev = torch.device("cuda")
@@ -117,11 +124,11 @@ def main(argv: list[str]) -> None:
     ones = torch.ones(nslots, KVH, device=dev)
     qblocks = N_Q * G // block_m
     res, rows = {}, []
-    for block_n, warps, stages in CONFIGS:
+    for block_n, warps, stages in configs:
         tiles = -(-triton.cdiv(N_KEYS, block_n) // SPLIT)
         out = torch.empty(qblocks * SPLIT * KVH * block_m * D, device=dev)
         ref = None
-        for name, (k_8, v_8, ahead, f16) in VARIANTS.items():
+        for name, (k_8, v_8, ahead, f16) in variants.items():
             kc, vc = (k8 if k_8 else kb), (v8 if v_8 else vb)
 
             def go(kc=kc, vc=vc, k_8=k_8, v_8=v_8, ahead=ahead, f16=f16):
@@ -138,7 +145,8 @@ def main(argv: list[str]) -> None:
             err = ((out - ref).norm() / ref.norm()).item()
             e = {"us": ms * 1e3, "registers": kernel.n_regs, "spills": kernel.n_spills, "diff_vs_bf16": err}
             res[f"{block_n} keys, {warps} warps: {name}"] = e
-            rows.append((block_n, warps, name, e["us"], e["us"] / res[f"{block_n} keys, {warps} warps: bf16 K, V"]["us"],
+            base = res.get(f"{block_n} keys, {warps} warps: bf16 K, V", e)["us"]
+            rows.append((block_n, warps, name, e["us"], e["us"] / base,
                          e["registers"], e["spills"], f"{err:.1e}"))
             print(rows[-1], flush=True)
     print(format_table(["keys/tile", "warps", "tiles", "us/layer", "x bf16", "regs", "spills", "diff"], rows))
