@@ -39,6 +39,37 @@ VARIANTS = {  # name: (K 8-bit, V 8-bit, prefetch, fp16 operands)
 
 
 @triton.jit
+def block_start(q_ptr, n_keys, tiles_per_share, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program of the layer: its KV head, its rows (BLOCK_M // G query tokens x the G heads that
+    share the KV head), their offsets in Q [token, head] and their queries, its share's tiles
+    [j0, j1), and the running output, max and sum."""
+    share = tl.program_id(0) % SPLIT
+    kvh = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    dd = tl.arange(0, D)
+    tok = (tl.program_id(0) // SPLIT) * (BLOCK_M // G) + rows // G
+    q_rows = tok * (KVH * G) + kvh * G + rows % G
+    q = tl.load(q_ptr + q_rows[:, None] * D + dd[None, :])
+    j0 = share * tiles_per_share
+    j1 = tl.minimum(j0 + tiles_per_share, tl.cdiv(n_keys, BLOCK_N))
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    return kvh, rows, dd, q_rows, q, j0, j1, acc, m_i, l_i
+
+
+@triton.jit
+def softmax_step(s, m_i, l_i):
+    """Online softmax over one tile of log2-domain scores: probabilities, the rescale of what came
+    before, the new running max and sum."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _tile(k_ptr, v_ptr, ks_ptr, vs_ptr, slot, col, kvh, KVH: tl.constexpr, D: tl.constexpr, ok):
     row = slot[:, None] * (KVH * D) + col[None, :]
     return (tl.load(k_ptr + row, mask=ok, other=0.0), tl.load(v_ptr + row, mask=ok, other=0.0),
@@ -49,20 +80,10 @@ def _tile(k_ptr, v_ptr, ks_ptr, vs_ptr, slot, col, kvh, KVH: tl.constexpr, D: tl
 def _attn(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr, out_ptr, n_keys, tiles_per_share, scale,
           KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, K8: tl.constexpr, V8: tl.constexpr, AHEAD: tl.constexpr, F16: tl.constexpr):
-    qb = tl.program_id(0) // SPLIT
-    share = tl.program_id(0) % SPLIT
-    kvh = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
-    dd = tl.arange(0, D)
-    tok = qb * (BLOCK_M // G) + rows // G
-    q = tl.load(q_ptr + (tok * (KVH * G) + kvh * G + rows % G)[:, None] * D + dd[None, :])
+    kvh, rows, dd, q_rows, q, j0, j1, acc, m_i, l_i = block_start(q_ptr, n_keys, tiles_per_share, KVH, G, D, SPLIT,
+                                                                   BLOCK_M, BLOCK_N)
     if F16 and K8:
         q = q.to(tl.float16)
-    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    j0 = share * tiles_per_share
-    j1 = tl.minimum(j0 + tiles_per_share, tl.cdiv(n_keys, BLOCK_N))
     col = kvh * D + dd
     nn = tl.arange(0, BLOCK_N)
     if AHEAD:  # tile j0 now, tile j0 + 1's slots too: each loop turn loads the next tile
@@ -81,10 +102,7 @@ def _attn(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr, out_ptr, n_keys, tiles
             s = tl.dot(q, tl.trans(kt.to(q.dtype))) * (ks * scale)[None, :]
         else:
             s = tl.dot(q, tl.trans(kt)) * scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
         if V8:
             p = p * vs[None, :]
             if F16:

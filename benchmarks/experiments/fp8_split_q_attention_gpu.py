@@ -26,6 +26,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 from common import format_table, write_json  # noqa: E402
+from fp8_attention_tiles_gpu import block_start, softmax_step  # noqa: E402  (the kernel's frame)
+from spanserve.attention.kv_cache import dequantize, quantize  # noqa: E402
 
 KVH, G, D, BS = 8, 4, 128, 16
 N_KEYS, N_Q, SPLIT = 91424, 96, 17
@@ -64,26 +66,15 @@ def _split(x, LO: tl.constexpr):
 def _attn(q_ptr, qh_ptr, ql_ptr, qs_ptr, k8_ptr, v8t_ptr, kb_ptr, vb_ptr, vbs_ptr, ks_ptr, vs_ptr, slots_ptr, out_ptr, n_keys, n_pad,
           tiles_per_share, scale, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK: tl.constexpr, PV: tl.constexpr):
-    qb = tl.program_id(0) // SPLIT
-    share = tl.program_id(0) % SPLIT
-    kvh = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
-    dd = tl.arange(0, D)
-    tok = qb * (BLOCK_M // G) + rows // G
-    q = tl.load(q_ptr + (tok * (KVH * G) + kvh * G + rows % G)[:, None] * D + dd[None, :])
+    kvh, rows, dd, q_rows, q, j0, j1, acc, m_i, l_i = block_start(q_ptr, n_keys, tiles_per_share, KVH, G, D, SPLIT,
+                                                                   BLOCK_M, BLOCK_N)
     if QK == 1 or QK == 2:
         q_hi, s_hi, q_lo, s_lo = _split(q.to(tl.float32), QK == 2)
     if QK >= 3:  # rounded by a pass before: [token, head, D] codes and [token, head, 2] scales
-        qrow = (tok * (KVH * G) + kvh * G + rows % G)
-        q_hi = tl.load(qh_ptr + qrow[:, None] * D + dd[None, :])
-        q_lo = tl.load(ql_ptr + qrow[:, None] * D + dd[None, :])
-        s_hi = tl.load(qs_ptr + qrow * 2)
-        s_lo = tl.load(qs_ptr + qrow * 2 + 1)
-    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    j0 = share * tiles_per_share
-    j1 = tl.minimum(j0 + tiles_per_share, tl.cdiv(n_keys, BLOCK_N))
+        q_hi = tl.load(qh_ptr + q_rows[:, None] * D + dd[None, :])
+        q_lo = tl.load(ql_ptr + q_rows[:, None] * D + dd[None, :])
+        s_hi = tl.load(qs_ptr + q_rows * 2)
+        s_lo = tl.load(qs_ptr + q_rows * 2 + 1)
     col = kvh * D + dd
     nn = tl.arange(0, BLOCK_N)
     for j in range(j0, j1):
@@ -101,10 +92,7 @@ def _attn(q_ptr, qh_ptr, ql_ptr, qs_ptr, k8_ptr, v8t_ptr, kb_ptr, vb_ptr, vbs_pt
                 s += tl.dot(q_lo, tl.trans(kt)) * s_lo[:, None]
             s = s * (ks * scale)[None, :]
         s = tl.where(kin[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = softmax_step(s, m_i, l_i)
         if PV == 0:
             if QK == 0:  # values through the slots
                 vt = tl.load(vb_ptr + slot[:, None] * (KVH * D) + col[None, :], mask=kin[:, None], other=0.0)
@@ -162,13 +150,10 @@ def main(argv: list[str]) -> None:
     v8t = torch.zeros(KVH, D, n_pad, device=dev, dtype=torch.float8_e4m3fn)
     v8t[:, :, :n_keys] = v8[sl].permute(1, 2, 0)
     qblocks = N_Q * G // block_m
-    qf = q.float()
-    s_hi = torch.exp2(torch.ceil(torch.log2(qf.abs().amax(-1).clamp_min(1e-30) / 448)))
-    q_hi = (qf / s_hi[..., None]).to(torch.float8_e4m3fn)
-    r = qf - q_hi.float() * s_hi[..., None]
-    s_lo = torch.exp2(torch.ceil(torch.log2(r.abs().amax(-1).clamp_min(1e-30) / 448)))
-    q_lo = (r / s_lo[..., None]).to(torch.float8_e4m3fn)
-    q_s = torch.stack([s_hi, s_lo], -1).contiguous()
+    # the pass before: Q's parts rounded as the cache rounds its rows (power-of-two scale per row)
+    q_hi, s_hi = quantize(q.float())
+    q_lo, s_lo = quantize(q.float() - dequantize(q_hi, s_hi))
+    q_s = torch.stack([s_hi.float(), s_lo.float()], -1).contiguous()
     res, rows = {}, []
     for block_n, warps, stages in configs:
         tiles = -(-triton.cdiv(n_keys, block_n) // SPLIT)
