@@ -185,12 +185,12 @@ def test_fresh_rows_through_dense_attention(seed: int) -> None:
     rng.shuffle(free)
     rows, positions, writes = list(case.plan.rows), case.plan.positions.tolist(), case.plan.write_slots.tolist()
     chunk = rng.randint(9, 30)  # the third row: its last `chunk` keys are its queries
-    for n in (rng.randint(9, 40), rng.randint(9, 40), chunk + rng.randint(1, 30)):
+    for which, n in enumerate((rng.randint(9, 40), rng.randint(9, 40), chunk + rng.randint(1, 30))):
         slots = [b * BS + i for b in free[:-(-n // BS)] for i in range(BS)][:n]
         free = free[-(-n // BS):]
         case.used.update(slots)
         at = rng.randint(0, len(rows))
-        m = chunk if len(rows) == len(case.plan.rows) + 2 else n
+        m = chunk if which == 2 else n
         rows.insert(at, Row(0, m, torch.arange(n - m, n), torch.tensor(slots)))
     start, positions, writes = 0, [], []
     for r in rows:  # renumber the rows' query ranges in their new order
